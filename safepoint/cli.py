@@ -1,0 +1,296 @@
+"""`safepoint` command line. Exit codes: 0 good, 1 bad checkpoint or nothing found, 2 usage or infrastructure error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from safepoint.errors import SafepointError, UsageError
+
+EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _catalog(args):
+    from catalog.store import open_catalog
+    from safepoint.config import load_config
+
+    return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
+def _parent(text: str | None) -> tuple[str, int] | None:
+    if not text:
+        return None
+    run, sep, step = text.rpartition(":")
+    if not sep or not step.isdigit():
+        raise UsageError(f"--parent must be RUN:STEP, got {text!r}")
+    return run, int(step)
+
+
+def cmd_commit(args) -> int:
+    from safepoint.commit import commit
+
+    m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
+               ranks=args.ranks, node=args.node)
+    out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
+    return EXIT_OK
+
+
+def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
+    from flows.ingest import ingest
+
+    return ingest(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
+
+
+def _ingest_exit(state: str) -> int:
+    if state == "verified":
+        return EXIT_OK
+    return EXIT_BAD if state in ("corrupt", "invalid", "incomplete") else EXIT_ERROR
+
+
+def cmd_ingest(args) -> int:
+    from safepoint.format import MARKER_NAME
+    from safepoint.snapshot import LocalSnapshot
+
+    folder = Path(args.dir)
+    if not (folder / MARKER_NAME).is_file():
+        raise UsageError(f"{args.dir}: not a committed snapshot (no {MARKER_NAME}); run `safepoint commit` first")
+    try:
+        LocalSnapshot.open(folder)
+    except SafepointError as e:
+        err.print(f"[red]corrupt[/red] {args.dir}: {e}")
+        return EXIT_BAD
+    _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
+    t0 = time.perf_counter()
+    result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+    dt = time.perf_counter() - t0
+    if args.json:
+        out.print_json(data=result)
+    else:
+        out.print(f"{result['run']}/{result['step']}: [bold]{result['state']}[/bold] in {dt:.2f}s")
+        for r in result["replicas"]:
+            out.print(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
+        if result["state"] != "verified" and result.get("message"):
+            out.print(f"  {result['message']}")
+    return _ingest_exit(result["state"])
+
+
+def cmd_watch(args) -> int:
+    from safepoint.watch import pending_snapshots
+
+    cat = _catalog(args)
+    worst = EXIT_OK
+    while True:
+        for folder in pending_snapshots(Path(args.root), cat):
+            err.print(f"ingesting {folder}")
+            result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+            out.print(f"{result['run']}/{result['step']}: {result['state']}")
+            worst = max(worst, _ingest_exit(result["state"]))
+        if args.once:
+            return worst
+        time.sleep(args.interval)
+
+
+def _views(args, run=None):
+    return _catalog(args).list_checkpoints(run)
+
+
+def cmd_ls(args) -> int:
+    views = _views(args, args.run)
+    rows = [{
+        "run": c.run, "step": c.step, "state": str(c.state), "local_path": c.local_path,
+        "bytes": c.total_bytes, "created": c.created_at.isoformat() if c.created_at else None,
+        "parent": f"{c.parent[0]}:{c.parent[1]}" if c.parent else None,
+        "replicas": [{"url": r.url, "state": str(r.state)} for r in c.replicas],
+    } for c in views]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    table = Table("run", "step", "state", "bytes", "replicas", "local")
+    for r in rows:
+        reps = "\n".join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
+        table.add_row(r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-")
+    out.print(table)
+    return EXIT_OK
+
+
+def cmd_resume_point(args) -> int:
+    from safepoint.decisions import resume_point
+
+    views = _views(args, args.run)
+    if not views:
+        err.print(f"no checkpoints recorded for run {args.run!r}")
+        return EXIT_BAD
+    decision = resume_point(views, min_replicas=args.min_replicas, max_step=args.max_step)
+    if args.explain:
+        for c, why in decision.passed_over:
+            err.print(f"skipped {c.run}/{c.step}: {why}")
+    if decision.chosen is None:
+        err.print(f"no verified checkpoint with a verified replica for run {args.run!r}")
+        return EXIT_BAD
+    c = decision.chosen
+    doc = {"run": c.run, "step": c.step, "url": decision.urls[0], "urls": decision.urls, "local_path": c.local_path}
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        out.print(f"{c.run} step {c.step}: {doc['url']}")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from safepoint.config import load_config
+    from safepoint.pipeline import verify_url
+
+    report, where = verify_url(_catalog(args), args.url, load_config())
+    good = report.outcome.value == "verified"
+    (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
+    return EXIT_OK if good else EXIT_BAD
+
+
+def cmd_validate(args) -> int:
+    from safepoint.validate import validate_snapshot
+
+    path = args.url[len("file://"):] if args.url.startswith("file://") else args.url
+    if "://" in path:
+        raise UsageError("validate works on a local snapshot folder or file:// URL")
+    if not Path(path).is_dir():
+        raise UsageError(f"{path}: not a directory")
+    files = None
+    from safepoint.snapshot import LocalSnapshot
+
+    try:
+        files = [f.path for f in LocalSnapshot.open(path).manifest.files]
+    except SafepointError:
+        pass
+    report = validate_snapshot(path, files)
+    for f in report.findings:
+        err.print(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
+    (out if report.ok else err).print(f"{path}: {report.outcome}: {report.summary()}")
+    return EXIT_OK if report.ok else EXIT_BAD
+
+
+def cmd_prune(args) -> int:
+    from safepoint.config import load_config
+    from safepoint.decisions import keep_last_plan
+    from safepoint.prune import execute
+
+    cat = _catalog(args)
+    views = cat.list_checkpoints(args.run)
+    plan = keep_last_plan(views, args.keep_last)
+    by_id = {c.id: c for c in views}
+    for cid, reasons in sorted(plan.keep.items(), key=lambda kv: by_id[kv[0]].step):
+        out.print(f"keep   {args.run}/{by_id[cid].step}: {'; '.join(reasons)}")
+    for c in plan.delete:
+        out.print(f"{'would delete' if args.dry_run else 'delete'} {c.run}/{c.step} ({c.state})")
+    if not args.dry_run:
+        done = execute(cat, plan, load_config())
+        out.print(f"pruned {len(done)} checkpoint(s)")
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    from safepoint.demo import run_demo
+
+    return run_demo(Path(args.dir) if args.dir else None, console=out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="safepoint", description=__doc__)
+    p.add_argument("--catalog", help="catalog URL (default: $SAFEPOINT_CATALOG_URL or $SAFEPOINT_HOME/catalog.db)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("commit", help="seal a folder written by any tool")
+    s.add_argument("dir")
+    s.add_argument("--run", required=True)
+    s.add_argument("--step", type=int, required=True)
+    s.add_argument("--parent", help="RUN:STEP this checkpoint resumed or forked from")
+    s.add_argument("--world-size", type=int, default=1)
+    s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
+    s.add_argument("--node", help="host name for multi-node checkpoints")
+    s.set_defaults(fn=cmd_commit)
+
+    s = sub.add_parser("ingest", help="replicate, verify, validate and catalog one committed snapshot")
+    s.add_argument("dir")
+    s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
+    s.add_argument("--model", help="model factory package.module:function for a strict load check")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_ingest)
+
+    s = sub.add_parser("watch", help="ingest committed snapshots that appear under ROOT")
+    s.add_argument("root")
+    s.add_argument("--to", action="append", required=True)
+    s.add_argument("--model")
+    s.add_argument("--once", action="store_true", help="one pass, then exit")
+    s.add_argument("--interval", type=float, default=5.0)
+    s.set_defaults(fn=cmd_watch)
+
+    s = sub.add_parser("ls", help="list checkpoints")
+    s.add_argument("--run")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("resume-point", help="the checkpoint to resume from")
+    s.add_argument("--run", required=True)
+    s.add_argument("--min-replicas", type=int, default=1)
+    s.add_argument("--max-step", type=int)
+    s.add_argument("--explain", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_resume_point)
+
+    s = sub.add_parser("verify", help="re-hash a replica or local snapshot against its manifest")
+    s.add_argument("url")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("validate", help="dry-run load validation of a snapshot folder")
+    s.add_argument("url")
+    s.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("prune", help="apply retention")
+    s.add_argument("--run", required=True)
+    s.add_argument("--keep-last", type=int, required=True)
+    s.add_argument("--dry-run", action="store_true")
+    s.set_defaults(fn=cmd_prune)
+
+    s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")
+    s.add_argument("--dir", help="work folder (default: a new temporary folder)")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors already
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        err.print(f"safepoint: error: {e}")
+        return EXIT_ERROR
+    except SafepointError as e:
+        err.print(f"safepoint: {e}")
+        return EXIT_ERROR
+    except (OSError, ValueError) as e:
+        from safepoint.redact import redact
+
+        err.print(f"safepoint: error: {redact(str(e))}")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

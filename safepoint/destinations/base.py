@@ -1,0 +1,63 @@
+"""The destination interface: a handful of verbs in domain words, over any fsspec URL."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from safepoint.format import MANIFEST_NAME, MARKER_NAME, FileEntry
+from safepoint.layout import join, snapshot_key
+
+
+class Destination(ABC):
+    """Where replicas live. Keys follow docs/format.md: <base>/<run>/<step>/<path>.
+
+    Implementations stream bytes and hash them as they go; they never report an ETag as a hash.
+    """
+
+    #: the base URL, safe to print and store (no credentials)
+    url: str
+
+    def snapshot_url(self, run: str, step: int) -> str:
+        return join(self.url, snapshot_key(run, step))
+
+    @abstractmethod
+    def size(self, run: str, step: int, relpath: str) -> int | None:
+        """Size of a stored file, or None when it is absent."""
+
+    @abstractmethod
+    def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
+        """Copy `source` to the replica, reading it once, and return the BLAKE3 of the bytes read."""
+
+    @abstractmethod
+    def digest(self, run: str, step: int, relpath: str) -> str:
+        """Read a stored file back and return its BLAKE3."""
+
+    @abstractmethod
+    def read_control(self, run: str, step: int, name: str) -> bytes | None:
+        """Read MANIFEST.json or COMMITTED; None when absent."""
+
+    @abstractmethod
+    def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
+        """Write a control file. With exclusive=True, return False if it already exists."""
+
+    @abstractmethod
+    def delete_files(self, run: str, step: int, relpaths: list[str]) -> None:
+        """Delete data files (missing ones are fine)."""
+
+    @abstractmethod
+    def delete_control(self, run: str, step: int, name: str) -> None:
+        """Delete a control file (missing is fine)."""
+
+    @abstractmethod
+    def committed_snapshots(self) -> list[tuple[str, int]]:
+        """(run, step) of every snapshot that has a COMMITTED marker here."""
+
+    def delete_snapshot(self, run: str, step: int, relpaths: list[str]) -> None:
+        """Delete in the safe order: marker, manifest, then data (docs/format.md)."""
+        self.delete_control(run, step, MARKER_NAME)
+        self.delete_control(run, step, MANIFEST_NAME)
+        self.delete_files(run, step, relpaths)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""

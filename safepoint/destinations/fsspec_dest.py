@@ -1,0 +1,86 @@
+"""Any fsspec filesystem as a destination (memory://, gcs://, hdfs://, ...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from safepoint.destinations.base import Destination
+from safepoint.errors import FormatError
+from safepoint.format import MARKER_NAME, FileEntry, check_run
+from safepoint.hashing import CHUNK, hash_stream, new_hasher, read_chunks
+from safepoint.layout import file_url, join, snapshot_key
+from safepoint.redact import redact
+
+
+class FsspecDestination(Destination):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self.url = redact(url.rstrip("/"))
+        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+
+    def _path(self, run: str, step: int, relpath: str) -> str:
+        return file_url(self.root, run, step, relpath)
+
+    def size(self, run: str, step: int, relpath: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(run, step, relpath))
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
+        path = self._path(run, step, entry.path)
+        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        h = new_hasher(entry.size)
+        with open(source, "rb") as src, self.fs.open(path, "wb") as dst:
+            for chunk in read_chunks(src, CHUNK):
+                h.update(chunk)
+                dst.write(chunk)
+        return h.hexdigest()
+
+    def digest(self, run: str, step: int, relpath: str) -> str:
+        with self.fs.open(self._path(run, step, relpath), "rb") as f:
+            return hash_stream(read_chunks(f, CHUNK))[1]
+
+    def read_control(self, run: str, step: int, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(run, step, name))
+        except FileNotFoundError:
+            return None
+
+    def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
+        path = self._path(run, step, name)
+        if exclusive and self.fs.exists(path):
+            return False
+        self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+        self.fs.pipe_file(path, data)
+        return True
+
+    def delete_files(self, run: str, step: int, relpaths: list[str]) -> None:
+        paths = [self._path(run, step, p) for p in relpaths]
+        for p in paths:
+            try:
+                self.fs.rm_file(p)
+            except FileNotFoundError:
+                pass
+
+    def delete_control(self, run: str, step: int, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(run, step, name))
+        except FileNotFoundError:
+            pass
+
+    def committed_snapshots(self) -> list[tuple[str, int]]:
+        out = []
+        for marker in self.fs.glob(join(self.root, "*", "*", MARKER_NAME)):
+            parts = marker.rstrip("/").split("/")
+            run, step = parts[-3], parts[-2]
+            try:
+                if step.isdigit() and snapshot_key(check_run(run), int(step)):
+                    out.append((run, int(step)))
+            except FormatError:
+                continue
+        return sorted(out)

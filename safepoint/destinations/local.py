@@ -1,0 +1,65 @@
+"""file:// destinations (local disks, NFS, Lustre, GPFS): temp file, fsync, rename."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safepoint.commit import fsync_path
+from safepoint.destinations.fsspec_dest import FsspecDestination
+from safepoint.format import TMP_PREFIX, FileEntry
+from safepoint.hashing import CHUNK, new_hasher
+
+
+class LocalDestination(FsspecDestination):
+    """POSIX semantics let us make each file and the marker atomic and durable."""
+
+    def _local(self, run: str, step: int, relpath: str) -> Path:
+        return Path(self._path(run, step, relpath))
+
+    def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
+        dst = self._local(run, step, entry.path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{TMP_PREFIX}{dst.name}.{os.getpid()}")
+        h = new_hasher(entry.size)
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        try:
+            with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
+                while True:
+                    n = src.readinto(buf)
+                    if not n:
+                        break
+                    h.update(view[:n])
+                    out.write(view[:n])
+                os.fsync(out.fileno())
+            os.replace(tmp, dst)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return h.hexdigest()
+
+    def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
+        dst = self._local(run, step, name)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{TMP_PREFIX}{name}.{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            for d in {p for p in dst.parent.rglob("*") if p.is_dir()} | {dst.parent}:
+                fsync_path(d, directory=True)
+            if exclusive:
+                try:
+                    os.link(tmp, dst)  # atomic: fails if the marker exists
+                except FileExistsError:
+                    return False
+                finally:
+                    tmp.unlink(missing_ok=True)
+            else:
+                os.replace(tmp, dst)
+            fsync_path(dst.parent, directory=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True

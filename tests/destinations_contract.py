@@ -1,0 +1,113 @@
+"""One contract for every destination: each backend's test module runs these against its URL.
+
+A backend module defines a `dest_url` fixture (a fresh, empty base URL) and imports `*` from here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from safepoint import commit
+from safepoint.destinations import open_destination
+from safepoint.format import MANIFEST_NAME, MARKER_NAME, FileEntry
+from safepoint.hashing import hash_path
+from safepoint.replicate import replicate, verify_replica
+from safepoint.snapshot import LocalSnapshot
+from safepoint.states import CheckpointState, ReplicaState
+from safepoint.verify import FileStatus
+
+
+@pytest.fixture
+def snapshot(tmp_path):
+    d = tmp_path / "local" / "ckpt"
+    d.mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"a" * 100_000)
+    (d / "deep" / "er").mkdir(parents=True)
+    (d / "deep" / "er" / "b.bin").write_bytes(bytes(range(256)) * 40)
+    (d / "zero").write_bytes(b"")
+    commit(d, "run-x", 42)
+    return LocalSnapshot.open(d)
+
+
+def test_upload_digest_size_roundtrip(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    entry = snapshot.manifest.file("a.bin")
+    assert dest.size("run-x", 42, "a.bin") is None
+    assert dest.upload("run-x", 42, entry, snapshot.path_of("a.bin")) == entry.blake3
+    assert dest.size("run-x", 42, "a.bin") == entry.size
+    assert dest.digest("run-x", 42, "a.bin") == hash_path(snapshot.path_of("a.bin"))[1]
+
+
+def test_control_files_exclusive(dest_url):
+    dest = open_destination(dest_url)
+    assert dest.read_control("r", 1, MARKER_NAME) is None
+    assert dest.write_control("r", 1, MARKER_NAME, b"one", exclusive=True)
+    assert not dest.write_control("r", 1, MARKER_NAME, b"two", exclusive=True)
+    assert dest.read_control("r", 1, MARKER_NAME) == b"one"
+    assert dest.committed_snapshots() == [("r", 1)]
+    dest.delete_control("r", 1, MARKER_NAME)
+    dest.delete_control("r", 1, MARKER_NAME)  # idempotent
+    assert dest.committed_snapshots() == []
+
+
+def test_replicate_verifies_and_commits_last(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED, result.error
+    assert set(result.remote.values()) == {FileStatus.OK}
+    assert result.bytes_uploaded == snapshot.manifest.total_bytes
+    assert dest.read_control("run-x", 42, MANIFEST_NAME) == snapshot.manifest_bytes
+    assert dest.read_control("run-x", 42, MARKER_NAME) == snapshot.marker_bytes
+    assert verify_replica(dest, "run-x", 42).outcome is CheckpointState.VERIFIED
+    assert result.url == dest_url.rstrip("/") + "/run-x/42"
+
+
+def test_replicate_again_reuses_everything(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    replicate(snapshot, dest)
+    again = replicate(snapshot, dest)
+    assert again.state is ReplicaState.VERIFIED
+    assert again.bytes_uploaded == 0 and again.bytes_reused == snapshot.manifest.total_bytes
+
+
+def test_partial_replica_resumes(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    entry = snapshot.manifest.file("a.bin")
+    dest.upload("run-x", 42, entry, snapshot.path_of("a.bin"))  # as if killed after one file
+    assert dest.read_control("run-x", 42, MARKER_NAME) is None
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED
+    assert result.bytes_reused == entry.size
+
+
+def test_changed_local_bytes_never_commit(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    p = snapshot.path_of("a.bin")
+    p.write_bytes(b"b" * 100_000)  # same size, different bytes: caught while uploading
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.FAILED
+    assert result.local["a.bin"] is FileStatus.HASH_MISMATCH
+    assert result.local_outcome is CheckpointState.CORRUPT
+    assert dest.read_control("run-x", 42, MARKER_NAME) is None
+
+
+def test_remote_rot_is_caught_by_verify(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    replicate(snapshot, dest)
+    # Overwrite one object behind Safepoint's back (same size).
+    fake = FileEntry("a.bin", 100_000, "0" * 64)
+    rotten = snapshot.root.parent / "rotten"
+    rotten.write_bytes(b"c" * 100_000)
+    dest.upload("run-x", 42, fake, rotten)
+    report = verify_replica(dest, "run-x", 42)
+    assert report.files["a.bin"] is FileStatus.HASH_MISMATCH
+    assert report.outcome is CheckpointState.CORRUPT
+
+
+def test_delete_snapshot_marker_first(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    replicate(snapshot, dest)
+    dest.delete_snapshot("run-x", 42, [f.path for f in snapshot.manifest.files])
+    assert dest.read_control("run-x", 42, MARKER_NAME) is None
+    assert dest.read_control("run-x", 42, MANIFEST_NAME) is None
+    assert all(dest.size("run-x", 42, f.path) is None for f in snapshot.manifest.files)
