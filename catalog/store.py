@@ -1,0 +1,604 @@
+"""The catalog API: what Safepoint knows about runs, checkpoints, replicas and validations.
+
+Every method is one short transaction and returns frozen dataclasses (catalog.views), so callers
+never hold sessions or ORM objects across slow I/O. State changes are guarded compare-and-set
+updates, safe with many processes on PostgreSQL without explicit locks; on SQLite write
+transactions start with BEGIN IMMEDIATE (catalog.db) and so are serialized.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, aliased
+
+from catalog import db
+from catalog.models import (
+    Checkpoint,
+    CheckpointFile,
+    CheckpointRank,
+    Event,
+    Lease,
+    Replica,
+    Run,
+    TensorStat,
+    Validation,
+    utcnow,
+)
+from catalog.views import CheckpointRow, CheckpointView, ReplicaRow, ReplicaView, ValidationRow
+from safepoint.errors import CatalogError
+from safepoint.format import FileEntry, Manifest
+from safepoint.redact import redact, redact_url
+from safepoint.states import CheckpointState, ReplicaState, can_transition
+
+__all__ = ["Catalog", "open_catalog", "redact", "redact_url"]
+
+C = CheckpointState
+# A re-commit with a different manifest may replace the files only while nothing downstream
+# (replication, validation) relies on them.
+REPLACEABLE = frozenset({C.COMMITTED, C.CORRUPT, C.INVALID, C.INCOMPLETE})
+_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count")
+
+
+def open_catalog(url: str | None = None) -> Catalog:
+    """A Catalog on `url` (default: db.default_catalog_url()), migrated to head once per process."""
+    return Catalog(db.ensure_schema(url))
+
+
+def _norm_path(path: str | os.PathLike[str] | None) -> str | None:
+    if path is None:
+        return None
+    return os.path.normpath(os.fspath(path))
+
+
+def _parse_time(text: str) -> datetime:
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return utcnow()
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def _finite_or_none(x: Any) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
+def _is_part(m: Manifest) -> bool:
+    return m.ranks is not None and set(m.ranks) != set(range(m.world_size))
+
+
+class Catalog:
+    """One catalog database. Cheap to construct; share the Engine (db.get_engine) per process."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._ro_engine = engine.execution_options(**{db.READONLY: True})
+
+    @property
+    def url(self) -> str:
+        """The catalog URL, e.g. to hand to a subprocess (may contain a password: do not log)."""
+        return self.engine.url.render_as_string(hide_password=False)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as s, s.begin():
+            yield s
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with Session(self._ro_engine) as s, s.begin():
+            yield s
+
+    def _insert(self, model: Any) -> Any:
+        """INSERT supporting ON CONFLICT on both backends."""
+        name = self.engine.dialect.name
+        if name == "postgresql":
+            return postgresql.insert(model)
+        if name == "sqlite":
+            return sqlite.insert(model)
+        raise CatalogError(f"unsupported catalog backend {name!r}")
+
+    def _event(self, s: Session, kind: str, *, checkpoint_id: int | None = None, run_id: int | None = None,
+               detail: dict[str, Any] | None = None) -> None:
+        s.add(Event(checkpoint_id=checkpoint_id, run_id=run_id, at=utcnow(), kind=kind, detail=detail or {}))
+
+    def _run_id(self, s: Session, name: str, settings: dict[str, Any] | None = None) -> int:
+        ins = self._insert(Run).values(name=name, created_at=utcnow(), settings=settings)
+        s.execute(ins.on_conflict_do_nothing(index_elements=["name"]))
+        return s.execute(sa.select(Run.id).where(Run.name == name)).scalar_one()
+
+    def _ranks(self, s: Session, checkpoint_id: int) -> tuple[int, ...]:
+        q = sa.select(CheckpointRank.rank).where(CheckpointRank.checkpoint_id == checkpoint_id)
+        return tuple(sorted(s.execute(q).scalars()))
+
+    def _row(self, s: Session, ck: Checkpoint, run: str) -> CheckpointRow:
+        return CheckpointRow(
+            id=ck.id, run=run, run_id=ck.run_id, step=ck.step, state=C(ck.state), local_path=ck.local_path,
+            node=ck.node, world_size=ck.world_size, total_bytes=ck.total_bytes, file_count=ck.file_count,
+            manifest_blake3=ck.manifest_blake3, created_at=ck.created_at, updated_at=ck.updated_at,
+            state_changed_at=ck.state_changed_at, parent_id=ck.parent_id, pinned=bool(ck.pinned),
+            tags=tuple(ck.tags or ()), metrics=dict(ck.metrics or {}), error=ck.error, version=ck.version,
+            delivered_ranks=self._ranks(s, ck.id),
+        )
+
+    def _get(self, s: Session, where: Any) -> CheckpointRow | None:
+        r = s.execute(sa.select(Checkpoint, Run.name).join(Run, Checkpoint.run_id == Run.id).where(where)).first()
+        return None if r is None else self._row(s, r[0], r[1])
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def ensure_run(self, name: str, settings: dict[str, Any] | None = None) -> int:
+        """Create the run if absent (settings are only used on creation); return its id."""
+        with self._write() as s:
+            return self._run_id(s, name, settings)
+
+    def runs(self) -> list[str]:
+        with self._read() as s:
+            return list(s.execute(sa.select(Run.name).order_by(Run.name)).scalars())
+
+    def run_settings(self, name: str) -> dict[str, Any] | None:
+        with self._read() as s:
+            return s.execute(sa.select(Run.settings).where(Run.name == name)).scalar_one_or_none()
+
+    def set_run_settings(self, name: str, settings: dict[str, Any] | None) -> None:
+        with self._write() as s:
+            rid = self._run_id(s, name)
+            s.execute(sa.update(Run).where(Run.id == rid).values(settings=settings))
+
+    # -- commits ------------------------------------------------------------------------------
+
+    def record_commit(self, manifest: Manifest, manifest_blake3: str,
+                      local_path: str | os.PathLike[str] | None = None) -> CheckpointRow:
+        """Record a committed snapshot (or one part of a multi-node one); idempotent.
+
+        Same run/step and same manifest digest: returns the existing row unchanged. A different
+        manifest replaces files only in a state where nothing downstream used them (REPLACEABLE),
+        else CatalogError. A part (ranks a strict subset of the world) merges into the checkpoint.
+        ``manifest.meta["tags"]`` (list of str) and ``meta["metrics"]`` (object) seed tags/metrics.
+        """
+        for attempt in range(5):
+            try:
+                with self._write() as s:
+                    return self._record_commit(s, manifest, manifest_blake3, _norm_path(local_path))
+            except IntegrityError:
+                # A concurrent ingest of the same checkpoint inserted first; retry sees its row.
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _parent_id(self, s: Session, m: Manifest, checkpoint_id: int, run_id: int) -> int | None:
+        if m.parent is None:
+            return None
+        prun, pstep = m.parent
+        pid = s.execute(
+            sa.select(Checkpoint.id).join(Run, Checkpoint.run_id == Run.id).where(Run.name == prun,
+                                                                                  Checkpoint.step == pstep)
+        ).scalar_one_or_none()
+        if pid is None:
+            self._event(s, "parent_missing", checkpoint_id=checkpoint_id, run_id=run_id,
+                        detail={"run": prun, "step": pstep})
+        return pid
+
+    def _add_files_and_ranks(self, s: Session, ck_id: int, m: Manifest, blake: str, local_path: str | None,
+                             files: Iterable[FileEntry]) -> None:
+        held = m.held_ranks
+        file_rank = held[0] if len(held) == 1 and m.world_size > 1 else None
+        rows = [{"checkpoint_id": ck_id, "path": f.path, "size": f.size, "blake3": f.blake3, "rank": file_rank}
+                for f in files]
+        if rows:
+            s.execute(sa.insert(CheckpointFile), rows)
+        have = set(self._ranks(s, ck_id))
+        now = utcnow()
+        ranks = [{"checkpoint_id": ck_id, "rank": r, "node": m.node, "local_path": local_path,
+                  "manifest_blake3": blake, "delivered_at": now} for r in held if r not in have]
+        if ranks:
+            s.execute(sa.insert(CheckpointRank), ranks)
+
+    def _refresh_totals(self, s: Session, ck: Checkpoint) -> None:
+        count, total = s.execute(
+            sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(CheckpointFile.size), 0))
+            .where(CheckpointFile.checkpoint_id == ck.id)
+        ).one()
+        ck.file_count, ck.total_bytes = int(count), int(total)
+
+    def _record_commit(self, s: Session, m: Manifest, blake: str, local_path: str | None) -> CheckpointRow:
+        run_id = self._run_id(s, m.run)
+        part = _is_part(m)
+        ck = s.execute(
+            sa.select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.step == m.step).with_for_update()
+        ).scalar_one_or_none()
+        now = utcnow()
+        tags = m.meta.get("tags")
+        tags = [str(t) for t in tags] if isinstance(tags, list) else []
+        metrics = m.meta.get("metrics")
+        metrics = dict(metrics) if isinstance(metrics, dict) else {}
+
+        if ck is None:
+            ck = Checkpoint(
+                run_id=run_id, step=m.step, state=C.COMMITTED.value, local_path=local_path, node=m.node,
+                world_size=m.world_size, manifest_blake3=None if part else blake, created_at=_parse_time(m.created),
+                updated_at=now, state_changed_at=now, tags=tags, metrics=metrics, version=1,
+            )
+            s.add(ck)
+            s.flush()
+            ck.parent_id = self._parent_id(s, m, ck.id, run_id)
+            self._add_files_and_ranks(s, ck.id, m, blake, local_path, m.files)
+            self._refresh_totals(s, ck)
+            self._event(s, "commit", checkpoint_id=ck.id, run_id=run_id,
+                        detail={"manifest_blake3": blake, "ranks": list(m.held_ranks), "node": m.node,
+                                "part": part, "files": len(m.files)})
+            s.flush()
+            return self._row(s, ck, m.run)
+
+        state = C(ck.state)
+        if part:
+            return self._merge_part(s, ck, m, blake, local_path)
+        if ck.manifest_blake3 == blake:
+            return self._row(s, ck, m.run)
+        if state not in REPLACEABLE:
+            raise CatalogError(
+                f"{m.run}/{m.step} is already cataloged with another manifest and is {state}; "
+                "refusing to replace its files"
+            )
+        old = ck.manifest_blake3
+        s.execute(sa.delete(CheckpointFile).where(CheckpointFile.checkpoint_id == ck.id))
+        s.execute(sa.delete(CheckpointRank).where(CheckpointRank.checkpoint_id == ck.id))
+        ck.state, ck.version, ck.error = C.COMMITTED.value, ck.version + 1, None
+        ck.state_changed_at = ck.updated_at = now
+        ck.local_path, ck.node, ck.world_size, ck.manifest_blake3 = local_path, m.node, m.world_size, blake
+        ck.created_at = _parse_time(m.created)
+        ck.parent_id = self._parent_id(s, m, ck.id, run_id)
+        if tags:
+            ck.tags = tags
+        if metrics:
+            ck.metrics = metrics
+        s.flush()
+        self._add_files_and_ranks(s, ck.id, m, blake, local_path, m.files)
+        self._refresh_totals(s, ck)
+        self._event(s, "recommit", checkpoint_id=ck.id, run_id=run_id,
+                    detail={"from": state.value, "to": C.COMMITTED.value, "old_manifest_blake3": old,
+                            "manifest_blake3": blake})
+        s.flush()
+        return self._row(s, ck, m.run)
+
+    def _merge_part(self, s: Session, ck: Checkpoint, m: Manifest, blake: str, local_path: str | None) -> CheckpointRow:
+        """Add one node's part: new files and ranks; the same path with other bytes is an error."""
+        if ck.world_size != m.world_size:
+            raise CatalogError(f"{m.run}/{m.step}: part has world_size {m.world_size}, catalog has {ck.world_size}")
+        if C(ck.state) == C.PRUNED:
+            raise CatalogError(f"{m.run}/{m.step} was pruned; refusing a late part")
+        existing = {
+            p: (size, digest) for p, size, digest in s.execute(
+                sa.select(CheckpointFile.path, CheckpointFile.size, CheckpointFile.blake3)
+                .where(CheckpointFile.checkpoint_id == ck.id)
+            )
+        }
+        new: list[FileEntry] = []
+        for f in m.files:
+            old = existing.get(f.path)
+            if old is None:
+                new.append(f)
+            elif old != (f.size, f.blake3):
+                raise CatalogError(f"{m.run}/{m.step}: parts disagree on {f.path!r}")
+        have = set(self._ranks(s, ck.id))
+        if not new and set(m.held_ranks) <= have:
+            return self._row(s, ck, m.run)  # this part was already merged
+        self._add_files_and_ranks(s, ck.id, m, blake, local_path, new)
+        if ck.local_path is None:
+            ck.local_path = local_path
+        self._refresh_totals(s, ck)
+        ck.updated_at, ck.version = utcnow(), ck.version + 1
+        self._event(s, "part", checkpoint_id=ck.id, run_id=ck.run_id,
+                    detail={"manifest_blake3": blake, "ranks": list(m.held_ranks), "node": m.node,
+                            "files": len(new)})
+        s.flush()
+        return self._row(s, ck, m.run)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def get(self, run: str, step: int) -> CheckpointRow | None:
+        with self._read() as s:
+            return self._get(s, sa.and_(Run.name == run, Checkpoint.step == step))
+
+    def get_by_id(self, checkpoint_id: int) -> CheckpointRow | None:
+        with self._read() as s:
+            return self._get(s, Checkpoint.id == checkpoint_id)
+
+    def latest(self, run: str, states: Iterable[CheckpointState] = (C.VERIFIED,)) -> CheckpointRow | None:
+        """The highest-step checkpoint of `run` in one of `states` (uses ix_checkpoints_run_id_state_step)."""
+        with self._read() as s:
+            q = (sa.select(Checkpoint, Run.name).join(Run, Checkpoint.run_id == Run.id)
+                 .where(Run.name == run, Checkpoint.state.in_([C(x).value for x in states]))
+                 .order_by(Checkpoint.step.desc()).limit(1))
+            r = s.execute(q).first()
+            return None if r is None else self._row(s, r[0], r[1])
+
+    def find_by_local_path(self, path: str | os.PathLike[str]) -> CheckpointRow | None:
+        """The checkpoint stored at local `path` (a whole snapshot, or one node's part)."""
+        p = _norm_path(path)
+        with self._read() as s:
+            row = self._get(s, Checkpoint.id == sa.select(Checkpoint.id).where(Checkpoint.local_path == p)
+                            .order_by(Checkpoint.id.desc()).limit(1).scalar_subquery())
+            if row is None:
+                sub = (sa.select(CheckpointRank.checkpoint_id).where(CheckpointRank.local_path == p)
+                       .order_by(CheckpointRank.checkpoint_id.desc()).limit(1).scalar_subquery())
+                row = self._get(s, Checkpoint.id == sub)
+            return row
+
+    def files(self, checkpoint_id: int) -> list[FileEntry]:
+        with self._read() as s:
+            q = (sa.select(CheckpointFile.path, CheckpointFile.size, CheckpointFile.blake3)
+                 .where(CheckpointFile.checkpoint_id == checkpoint_id).order_by(CheckpointFile.path))
+            return [FileEntry(p, size, b) for p, size, b in s.execute(q)]
+
+    def ranks(self, checkpoint_id: int) -> list[dict[str, Any]]:
+        """Delivered ranks: rank, node, local_path, manifest_blake3, delivered_at."""
+        with self._read() as s:
+            q = (sa.select(CheckpointRank).where(CheckpointRank.checkpoint_id == checkpoint_id)
+                 .order_by(CheckpointRank.rank))
+            return [{"rank": r.rank, "node": r.node, "local_path": r.local_path,
+                     "manifest_blake3": r.manifest_blake3, "delivered_at": r.delivered_at}
+                    for r in s.execute(q).scalars()]
+
+    def list_checkpoints(self, run: str | None = None,
+                         states: Iterable[CheckpointState] | None = None) -> list[CheckpointView]:
+        """Checkpoints with lineage and replicas, ordered by run then step (two queries, no N+1)."""
+        where: list[Any] = []
+        if run is not None:
+            where.append(Run.name == run)
+        if states is not None:
+            where.append(Checkpoint.state.in_([C(x).value for x in states]))
+        P, PR = aliased(Checkpoint), aliased(Run)
+        q = (sa.select(Checkpoint, Run.name, PR.name, P.step)
+             .join(Run, Checkpoint.run_id == Run.id)
+             .outerjoin(P, Checkpoint.parent_id == P.id).outerjoin(PR, P.run_id == PR.id)
+             .where(*where).order_by(Run.name, Checkpoint.step))
+        rq = (sa.select(Replica).join(Checkpoint, Replica.checkpoint_id == Checkpoint.id)
+              .join(Run, Checkpoint.run_id == Run.id).where(*where).order_by(Replica.id))
+        with self._read() as s:
+            reps: dict[int, list[ReplicaView]] = {}
+            for r in s.execute(rq).scalars():
+                reps.setdefault(r.checkpoint_id, []).append(
+                    ReplicaView(r.url, r.destination, ReplicaState(r.state), r.verified_at))
+            out = []
+            for ck, rname, prun, pstep in s.execute(q):
+                out.append(CheckpointView(
+                    id=ck.id, run=rname, step=ck.step, state=C(ck.state), local_path=ck.local_path,
+                    created_at=ck.created_at, total_bytes=ck.total_bytes, pinned=bool(ck.pinned),
+                    tags=tuple(ck.tags or ()), metrics=dict(ck.metrics or {}),
+                    parent=(prun, pstep) if prun is not None else None, world_size=ck.world_size,
+                    replicas=tuple(reps.get(ck.id, ())), file_count=ck.file_count,
+                    state_changed_at=ck.state_changed_at, error=ck.error,
+                ))
+            return out
+
+    # -- state --------------------------------------------------------------------------------
+
+    def transition(self, checkpoint_id: int, to: CheckpointState, *, expect: set[CheckpointState] | None = None,
+                   error: str | None = None, detail: dict[str, Any] | None = None) -> bool:
+        """Move a checkpoint to `to` if its state allows it; False (nothing changed) otherwise.
+
+        The UPDATE is guarded by the allowed source states *and* the version read just before, so
+        the `from` recorded in the event is exact and concurrent callers cannot both win.
+        A lost race re-reads and retries while the new state is still an allowed source.
+        """
+        to = C(to)
+        sources = {x for x in C if can_transition(x, to)}
+        if expect is not None:
+            sources &= {C(x) for x in expect}
+        if not sources:
+            return False
+        allowed = sorted(x.value for x in sources)
+        for _ in range(50):
+            with self._write() as s:
+                cur = s.execute(sa.select(Checkpoint.state, Checkpoint.version, Checkpoint.run_id)
+                                .where(Checkpoint.id == checkpoint_id)).first()
+                if cur is None or C(cur.state) not in sources:
+                    return False
+                now = utcnow()
+                values: dict[str, Any] = {"state": to.value, "version": Checkpoint.version + 1,
+                                          "state_changed_at": now, "updated_at": now}
+                if error is not None:
+                    values["error"] = redact(error)
+                res = s.execute(
+                    sa.update(Checkpoint)
+                    .where(Checkpoint.id == checkpoint_id, Checkpoint.state.in_(allowed),
+                           Checkpoint.version == cur.version)
+                    .values(**values).execution_options(synchronize_session=False)
+                )
+                if res.rowcount == 1:
+                    ev = {"from": cur.state, "to": to.value, **(detail or {})}
+                    if error is not None:
+                        ev["error"] = redact(error)
+                    self._event(s, "state", checkpoint_id=checkpoint_id, run_id=cur.run_id, detail=ev)
+                    return True
+        return False
+
+    def _update_checkpoint(self, checkpoint_id: int, **values: Any) -> bool:
+        with self._write() as s:
+            res = s.execute(
+                sa.update(Checkpoint).where(Checkpoint.id == checkpoint_id)
+                .values(updated_at=utcnow(), version=Checkpoint.version + 1, **values)
+                .execution_options(synchronize_session=False)
+            )
+            return res.rowcount == 1
+
+    def set_pinned(self, checkpoint_id: int, pinned: bool = True) -> bool:
+        """Pinned checkpoints are never pruned by retention."""
+        return self._update_checkpoint(checkpoint_id, pinned=bool(pinned))
+
+    def set_tags(self, checkpoint_id: int, tags: Iterable[str]) -> bool:
+        return self._update_checkpoint(checkpoint_id, tags=sorted({str(t) for t in tags}))
+
+    def set_metrics(self, checkpoint_id: int, metrics: dict[str, Any]) -> bool:
+        return self._update_checkpoint(checkpoint_id, metrics=dict(metrics))
+
+    # -- replicas -----------------------------------------------------------------------------
+
+    def set_replica(self, checkpoint_id: int, url: str, destination: str, state: ReplicaState, *,
+                    bytes: int = 0, error: str | None = None) -> None:  # noqa: A002 - API name
+        """Upsert the replica at snapshot `url` (credentials stripped); logs an event on change."""
+        state = ReplicaState(state)
+        url, destination, error = redact_url(url), redact_url(destination), redact(error)
+        now = utcnow()
+        with self._write() as s:
+            prev = s.execute(sa.select(Replica.state, Replica.error)
+                             .where(Replica.checkpoint_id == checkpoint_id, Replica.url == url)).first()
+            ins = self._insert(Replica).values(
+                checkpoint_id=checkpoint_id, url=url, destination=destination, state=state.value, bytes=int(bytes),
+                error=error, verified_at=now if state == ReplicaState.VERIFIED else None,
+                created_at=now, updated_at=now,
+            )
+            set_: dict[str, Any] = {"destination": ins.excluded.destination, "state": ins.excluded.state,
+                                    "bytes": ins.excluded.bytes, "error": ins.excluded.error,
+                                    "updated_at": ins.excluded.updated_at}
+            if state == ReplicaState.VERIFIED:
+                set_["verified_at"] = ins.excluded.verified_at
+            try:
+                s.execute(ins.on_conflict_do_update(index_elements=["checkpoint_id", "url"], set_=set_))
+            except IntegrityError as e:
+                raise CatalogError(f"no checkpoint with id {checkpoint_id}") from e
+            if prev is None or prev.state != state.value or prev.error != error:
+                self._event(s, "replica", checkpoint_id=checkpoint_id,
+                            detail={"url": url, "state": state.value, "bytes": int(bytes), "error": error,
+                                    "from": prev.state if prev else None})
+
+    @staticmethod
+    def _replica_row(r: Replica) -> ReplicaRow:
+        return ReplicaRow(id=r.id, checkpoint_id=r.checkpoint_id, url=r.url, destination=r.destination,
+                          state=ReplicaState(r.state), bytes=r.bytes, verified_at=r.verified_at, error=r.error,
+                          created_at=r.created_at, updated_at=r.updated_at)
+
+    def replicas(self, checkpoint_id: int) -> list[ReplicaRow]:
+        with self._read() as s:
+            q = sa.select(Replica).where(Replica.checkpoint_id == checkpoint_id).order_by(Replica.id)
+            return [self._replica_row(r) for r in s.execute(q).scalars()]
+
+    def find_replica(self, url: str) -> tuple[CheckpointRow, ReplicaRow] | None:
+        """The checkpoint and replica stored at snapshot `url` (trailing '/' and credentials ignored)."""
+        u = redact_url(url)
+        with self._read() as s:
+            r = s.execute(sa.select(Replica).where(Replica.url.in_({u, u + "/"})).order_by(Replica.id.desc())
+                          .limit(1)).scalar_one_or_none()
+            if r is None:
+                return None
+            row = self._get(s, Checkpoint.id == r.checkpoint_id)
+            assert row is not None
+            return row, self._replica_row(r)
+
+    # -- validations --------------------------------------------------------------------------
+
+    def record_validation(self, checkpoint_id: int, ok: bool, summary: str, report: dict[str, Any],
+                          tensor_stats: list[dict[str, Any]], *, started_at: datetime | None = None,
+                          finished_at: datetime | None = None) -> int:
+        """Store one validation and its per-tensor stats (one executemany; 10k rows is fine)."""
+        finished = finished_at or utcnow()
+        with self._write() as s:
+            v = Validation(checkpoint_id=checkpoint_id, ok=bool(ok), summary=redact(summary or "") or "",
+                           report=report or {}, started_at=started_at or finished, finished_at=finished)
+            s.add(v)
+            try:
+                s.flush()
+            except IntegrityError as e:
+                raise CatalogError(f"no checkpoint with id {checkpoint_id}") from e
+            rows = [{
+                "validation_id": v.id, "name": str(t["name"]), "dtype": str(t.get("dtype", "")),
+                "shape": [int(x) for x in (t.get("shape") or ())], "numel": int(t.get("numel") or 0),
+                "norm": _finite_or_none(t.get("norm")), "max_abs": _finite_or_none(t.get("max_abs")),
+                "nan_count": int(t.get("nan_count") or 0), "inf_count": int(t.get("inf_count") or 0),
+            } for t in tensor_stats]
+            if rows:
+                s.execute(sa.insert(TensorStat.__table__), rows)
+            self._event(s, "validation", checkpoint_id=checkpoint_id,
+                        detail={"validation_id": v.id, "ok": bool(ok), "summary": v.summary, "tensors": len(rows)})
+            return v.id
+
+    def latest_validation(self, checkpoint_id: int) -> ValidationRow | None:
+        with self._read() as s:
+            v = s.execute(sa.select(Validation).where(Validation.checkpoint_id == checkpoint_id)
+                          .order_by(Validation.id.desc()).limit(1)).scalar_one_or_none()
+            if v is None:
+                return None
+            return ValidationRow(id=v.id, checkpoint_id=v.checkpoint_id, started_at=v.started_at,
+                                 finished_at=v.finished_at, ok=bool(v.ok), summary=v.summary, report=dict(v.report))
+
+    def tensor_stats(self, validation_id: int) -> list[dict[str, Any]]:
+        t = TensorStat.__table__
+        with self._read() as s:
+            q = sa.select(*(t.c[k] for k in _STAT_KEYS)).where(t.c.validation_id == validation_id).order_by(t.c.id)
+            return [dict(r._mapping) for r in s.execute(q)]
+
+    # -- events -------------------------------------------------------------------------------
+
+    def add_event(self, kind: str, *, checkpoint_id: int | None = None, run: str | None = None,
+                  detail: dict[str, Any] | None = None) -> None:
+        """Append an audit event (detail is stored as-is: redact secrets before passing them)."""
+        with self._write() as s:
+            run_id = None
+            if run is not None:
+                run_id = s.execute(sa.select(Run.id).where(Run.name == run)).scalar_one_or_none()
+            elif checkpoint_id is not None:
+                run_id = s.execute(sa.select(Checkpoint.run_id).where(Checkpoint.id == checkpoint_id)
+                                   ).scalar_one_or_none()
+            self._event(s, kind, checkpoint_id=checkpoint_id, run_id=run_id, detail=detail)
+
+    def events(self, checkpoint_id: int | None = None, *, run: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        """Events oldest first: dicts with id, at, kind, detail, checkpoint_id, run_id."""
+        q = sa.select(Event).order_by(Event.id)
+        if checkpoint_id is not None:
+            q = q.where(Event.checkpoint_id == checkpoint_id)
+        if run is not None:
+            q = q.join(Run, Event.run_id == Run.id).where(Run.name == run)
+        if kind is not None:
+            q = q.where(Event.kind == kind)
+        with self._read() as s:
+            return [{"id": e.id, "at": e.at, "kind": e.kind, "detail": dict(e.detail or {}),
+                     "checkpoint_id": e.checkpoint_id, "run_id": e.run_id} for e in s.execute(q).scalars()]
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take (or renew, for the same holder) lease `name` until now + ttl_s; False if held.
+
+        One INSERT ... ON CONFLICT DO UPDATE ... WHERE expired-or-mine: atomic on both backends.
+        """
+        now = utcnow()
+        ins = self._insert(Lease).values(name=name, holder=holder, expires_at=now + timedelta(seconds=ttl_s),
+                                         acquired_at=now)
+        ins = ins.on_conflict_do_update(
+            index_elements=["name"],
+            set_={"holder": ins.excluded.holder, "expires_at": ins.excluded.expires_at,
+                  "acquired_at": sa.case((Lease.holder == holder, Lease.acquired_at),
+                                         else_=ins.excluded.acquired_at)},
+            where=sa.or_(Lease.expires_at < now, Lease.holder == holder),
+        ).returning(Lease.name)
+        with self._write() as s:
+            return s.execute(ins).first() is not None
+
+    def release_lease(self, name: str, holder: str) -> bool:
+        """Release a lease if `holder` holds it; True if it did."""
+        with self._write() as s:
+            res = s.execute(sa.delete(Lease).where(Lease.name == name, Lease.holder == holder)
+                            .execution_options(synchronize_session=False))
+            return res.rowcount == 1
+
+    def lease_holder(self, name: str) -> str | None:
+        """The current (unexpired) holder of lease `name`, if any."""
+        with self._read() as s:
+            return s.execute(sa.select(Lease.holder).where(Lease.name == name, Lease.expires_at >= utcnow())
+                             ).scalar_one_or_none()

@@ -1,0 +1,99 @@
+"""Plain, frozen records returned by the catalog.
+
+Callers never hold ORM objects or sessions, and decision code (retention, resume selection) can
+import these without SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from safepoint.states import CheckpointState, ReplicaState
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    id: int
+    run: str
+    run_id: int
+    step: int
+    state: CheckpointState
+    local_path: str | None
+    node: str | None
+    world_size: int
+    total_bytes: int
+    file_count: int
+    manifest_blake3: str | None
+    created_at: datetime
+    updated_at: datetime
+    state_changed_at: datetime
+    parent_id: int | None
+    pinned: bool
+    tags: tuple[str, ...]
+    metrics: dict[str, Any] = field(hash=False)
+    error: str | None
+    version: int
+    delivered_ranks: tuple[int, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """Every rank of 0..world_size-1 has delivered its files."""
+        return set(self.delivered_ranks) >= set(range(self.world_size))
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    id: int
+    checkpoint_id: int
+    url: str
+    destination: str
+    state: ReplicaState
+    bytes: int
+    verified_at: datetime | None
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    url: str
+    destination: str
+    state: ReplicaState
+    verified_at: datetime | None
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    id: int
+    run: str
+    step: int
+    state: CheckpointState
+    local_path: str | None
+    created_at: datetime
+    total_bytes: int
+    pinned: bool
+    tags: tuple[str, ...]
+    metrics: dict[str, Any] = field(hash=False)
+    parent: tuple[str, int] | None
+    world_size: int
+    replicas: tuple[ReplicaView, ...] = ()
+    file_count: int = 0
+    state_changed_at: datetime | None = None
+    error: str | None = None
+
+    def verified_replicas(self) -> tuple[ReplicaView, ...]:
+        return tuple(r for r in self.replicas if r.state == ReplicaState.VERIFIED)
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    id: int
+    checkpoint_id: int
+    started_at: datetime
+    finished_at: datetime | None
+    ok: bool
+    summary: str
+    report: dict[str, Any] = field(hash=False)
