@@ -345,6 +345,10 @@ class Catalog:
                  .where(CheckpointFile.checkpoint_id == checkpoint_id).order_by(CheckpointFile.path))
             return [FileEntry(p, size, b) for p, size, b in s.execute(q)]
 
+    def file_paths(self, checkpoint_id: int) -> list[str]:
+        """Relative paths of the checkpoint's data files, sorted."""
+        return [f.path for f in self.files(checkpoint_id)]
+
     def ranks(self, checkpoint_id: int) -> list[dict[str, Any]]:
         """Delivered ranks: rank, node, local_path, manifest_blake3, delivered_at."""
         with self._read() as s:
