@@ -17,6 +17,13 @@ from rich.table import Table
 from safepoint.errors import SafepointError, UsageError
 
 EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
+# Modules that add subcommands (see build_parser); absent ones are skipped.
+EXTENSIONS = (
+    "safepoint.cli_catalog",    # lineage, risk, retention policies
+    "safepoint.cli_validation", # show
+    "safepoint.cli_events",     # serve, watch --emit
+    "safepoint.cli_repair",     # reconcile, scrub
+)
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -265,11 +272,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")
     s.add_argument("--dir", help="work folder (default: a new temporary folder)")
     s.set_defaults(fn=cmd_demo)
+
+    # Command groups that live in their own modules: each has `register(subparsers)`.
+    import importlib
+
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not (argv and ("-v" in argv or "--verbose" in argv)) and "-v" not in sys.argv[1:2]:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
