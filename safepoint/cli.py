@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if not (argv and ("-v" in argv or "--verbose" in argv)) and "-v" not in sys.argv[1:2]:
+    words = list(argv) if argv is not None else sys.argv[1:]
+    if "-v" not in words and "--verbose" not in words:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     parser = build_parser()
     try:
