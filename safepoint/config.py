@@ -36,6 +36,9 @@ class Config:
     storage: dict[str, dict[str, Any]] = field(default_factory=dict)
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     validation: dict[str, Any] = field(default_factory=dict)
+    # Every other table of config.toml ([events], [multinode], [fanout], [limits], ...), read by
+    # the modules that own them through `section()`.
+    sections: dict[str, Any] = field(default_factory=dict)
 
     def storage_options(self, url: str) -> dict[str, Any]:
         """Options of the longest configured prefix of `url`."""
@@ -47,6 +50,11 @@ class Config:
 
     def run_setting(self, run: str, key: str, default: Any = None) -> Any:
         return self.runs.get(run, {}).get(key, default)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The `[name]` table of config.toml (empty when absent)."""
+        value = self.sections.get(name, {})
+        return dict(value) if isinstance(value, dict) else {}
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:
@@ -62,4 +70,5 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
         storage=doc.get("storage", {}),
         runs=doc.get("runs", {}),
         validation=doc.get("validation", {}),
+        sections={k: v for k, v in doc.items() if isinstance(v, dict)},
     )

@@ -42,7 +42,7 @@ class LocalDestination(FsspecDestination):
     def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
         dst = self._local(run, step, name)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{TMP_PREFIX}{name}.{os.getpid()}")
+        tmp = dst.with_name(f"{TMP_PREFIX}{dst.name}.{os.getpid()}")  # name may be a sub-path
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
