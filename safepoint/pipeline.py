@@ -19,7 +19,7 @@ from safepoint.destinations import open_destination
 from safepoint.errors import CatalogError, FormatError
 from safepoint.format import MARKER_NAME
 from safepoint.redact import redact
-from safepoint.replicate import ReplicaResult, replicate, verify_replica
+from safepoint.replicate import Progress, ReplicaResult, replicate, verify_replica
 from safepoint.snapshot import LocalSnapshot
 from safepoint.states import CheckpointState as CS
 from safepoint.states import ReplicaState as RS
@@ -60,7 +60,7 @@ def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
 
 def replicate_to(
     catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str, config: Config | None = None,
-    *, attempts: int = 2,
+    *, attempts: int = 2, progress: Progress | None = None,
 ) -> ReplicaResult:
     """Replicate to one destination and record the replica. A replica that reads back wrong is re-sent once."""
     config = config or Config()
@@ -69,7 +69,7 @@ def replicate_to(
         snap_url = dest.snapshot_url(snap.manifest.run, snap.manifest.step)
         catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
         for _ in range(max(1, attempts)):
-            result = replicate(snap, dest)
+            result = replicate(snap, dest, progress=progress)
             if result.state is not RS.CORRUPT:
                 break
             # Remove what read back wrong so the next attempt uploads it again.
