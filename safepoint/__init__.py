@@ -6,4 +6,13 @@
 from safepoint.commit import commit
 from safepoint.errors import CommitError, FormatError, SafepointError
 
-__all__ = ["commit", "CommitError", "FormatError", "SafepointError"]
+__all__ = ["commit", "CommitError", "FormatError", "SafepointError", "Snapshotter"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import safepoint` stays cheap (the Snapshotter pulls in torch).
+    if name == "Snapshotter":
+        from safepoint.snapshotter import Snapshotter
+
+        return Snapshotter
+    raise AttributeError(f"module 'safepoint' has no attribute {name!r}")
