@@ -245,3 +245,21 @@ def assembled_snapshot(catalog: Catalog, checkpoint_id: int, config: Config | No
     finally:
         dest.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def ingest_part(folder: str | Path, destinations: list[str], catalog: Catalog, config: Config | None = None,
+                *, model: str | None = None) -> CS:
+    """One node's part through the whole pipeline without Prefect (the flow runs the same steps)."""
+    from safepoint.pipeline import register, validate_checkpoint
+
+    config = config or Config()
+    snap = LocalSnapshot.open(folder)
+    check_part(snap.manifest)
+    row = register(catalog, snap)
+    results = [replicate_part_to(catalog, row.id, snap, url, config) for url in destinations]
+    settled = settle_part(catalog, row.id, snap, results, destinations, config)
+    if settled.won:
+        with assembled_snapshot(catalog, row.id, config) as merged:
+            return validate_checkpoint(catalog, row.id, merged,
+                                       model=model or config.run_setting(snap.manifest.run, "model"))
+    return settled.state

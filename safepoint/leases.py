@@ -98,3 +98,8 @@ def slot(catalog: Catalog, prefix: str, slots: int, *, holder: str | None = None
     names = [f"{prefix}/{(start + i) % slots}" for i in range(slots)]
     with _hold(catalog, names, holder=holder, ttl_s=ttl_s, wait_s=wait_s, poll_s=poll_s) as got:
         yield got
+
+
+def this_host() -> str:
+    """The name this host goes by in leases and events: $SAFEPOINT_NODE, else the host name."""
+    return os.environ.get("SAFEPOINT_NODE") or socket.gethostname()

@@ -133,6 +133,13 @@ def ingest(folder: str | Path, destinations: list[str], catalog: Catalog, config
     """The whole pipeline without Prefect (the flow runs the same steps as tasks)."""
     config = config or Config()
     snap = LocalSnapshot.open(folder)
+    from safepoint.parts import is_part
+
+    if is_part(snap.manifest):  # one node's part of a multi-node checkpoint (safepoint.assemble)
+        from safepoint.assemble import ingest_part
+
+        ingest_part(folder, destinations, catalog, config, model=model)
+        return outcome(catalog, catalog.get(snap.manifest.run, snap.manifest.step).id)
     row = register(catalog, snap)
     results = [replicate_to(catalog, row.id, snap, url, config) for url in destinations]
     state = settle_replication(catalog, row.id, results)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from catalog.store import open_catalog
-from safepoint import pipeline
+from catalog.store import Catalog, open_catalog
+from safepoint import assemble, leases, pipeline
+from safepoint import progress as progress_
 from safepoint.config import Config
+from safepoint.format import digest_bytes
+from safepoint.parts import is_part, part_key
+from safepoint.redact import redact_url
 from safepoint.replicate import ReplicaResult
 from safepoint.snapshot import LocalSnapshot
 from safepoint.states import CheckpointState
@@ -43,12 +51,59 @@ def register(catalog_url: str | None, snap: LocalSnapshot) -> int:
 )
 def replicate(catalog_url: str | None, checkpoint_id: int, snap: LocalSnapshot, url: str,
               config: Config) -> ReplicaResult:
-    return pipeline.replicate_to(open_catalog(catalog_url), checkpoint_id, snap, url, config)
+    """Replicate a whole snapshot, or this node's part of a multi-node one, under the leases."""
+    catalog = open_catalog(catalog_url)
+    with exclusive(catalog, snap, url, config):
+        if is_part(snap.manifest):
+            return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config,
+                                              progress=progress_.hook())
+        return pipeline.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress_.hook())
+
+
+def limits(config: Config) -> tuple[int, float, float]:
+    """`[limits]`: uploads_per_host (4), lease_ttl_s (60), lease_wait_s (3600)."""
+    sec = config.section("limits")
+    return (int(sec.get("uploads_per_host", 4)), float(sec.get("lease_ttl_s", 60)),
+            float(sec.get("lease_wait_s", 3600)))
+
+
+@contextmanager
+def exclusive(catalog: Catalog, snap: LocalSnapshot, url: str, config: Config) -> Iterator[None]:
+    """Never two ingests of one checkpoint (part) into one destination at once; at most N uploads per host.
+
+    Both are catalog leases (safepoint.leases), so they hold across processes and hosts, with or
+    without a Prefect server, and expire if a holder dies.
+    """
+    m = snap.manifest
+    part = part_key(m.held_ranks) if is_part(m) else "all"
+    slots, ttl, wait = limits(config)
+    name = f"ingest:{m.run}/{m.step}/{part}@{digest_bytes(redact_url(url).encode())[:16]}"
+    with leases.held(catalog, name, ttl_s=ttl, wait_s=wait), \
+            leases.slot(catalog, f"uploads:{leases.this_host()}", slots, ttl_s=ttl, wait_s=wait):
+        yield
 
 
 @task(name="settle-replication")
 def settle(catalog_url: str | None, checkpoint_id: int, results: list[ReplicaResult]) -> CheckpointState:
     return pipeline.settle_replication(open_catalog(catalog_url), checkpoint_id, results)
+
+
+@task(name="settle-part")
+def settle_part(catalog_url: str | None, checkpoint_id: int, snap: LocalSnapshot, results: list[ReplicaResult],
+                to: list[str], config: Config) -> assemble.Settled:
+    """A multi-node part: assemble the checkpoint if this part completed the set; never waits."""
+    return assemble.settle_part(open_catalog(catalog_url), checkpoint_id, snap, results, to, config)
+
+
+@task(name="apply-timeouts")
+def apply_timeouts(catalog_url: str | None, config: Config, run: str | None = None) -> list[assemble.TimeoutAction]:
+    return assemble.apply_timeouts(open_catalog(catalog_url), config, run=run)
+
+
+@task(name="record-ingest")
+def record_done(catalog_url: str | None, checkpoint_id: int, detail: dict[str, Any]) -> None:
+    """The `ingest.done` catalog event: what watchers wait for to drop a marker from their spool."""
+    open_catalog(catalog_url).add_event("ingest.done", checkpoint_id=checkpoint_id, detail=detail)
 
 
 @task(name="validate")

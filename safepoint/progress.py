@@ -1,0 +1,52 @@
+"""Progress of long operations (ingest, verify) for the command line: one rich bar fed by byte counts.
+
+Library code reports bytes through `hook()` (None when nobody watches, which is the normal case in
+flows run by a server); the CLI installs a bar around a long call with `bar(...)`. The hook is
+process-wide because Prefect runs tasks in worker threads; rich's Progress is thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+Hook = Callable[[int], None]
+_hook: Hook | None = None
+
+
+def hook() -> Hook | None:
+    """The active progress callback (bytes done since the last call), or None."""
+    return _hook
+
+
+@contextmanager
+def bar(description: str, total_bytes: int | None, console: Console | None = None, *,
+        enabled: bool = True) -> Iterator[Hook]:
+    """Show a transfer bar for the block and route `hook()` to it; a no-op bar when disabled."""
+    global _hook
+    if not enabled:
+        yield lambda n: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as p:
+        task = p.add_task(description, total=total_bytes)
+
+        def advance(n: int) -> None:
+            p.advance(task, n)
+
+        previous, _hook = _hook, advance
+        try:
+            yield advance
+        finally:
+            _hook = previous

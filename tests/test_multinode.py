@@ -1,0 +1,252 @@
+"""Multi-node checkpoints without Prefect: completeness (tables), merge, assembly, timeouts, late parts.
+
+Each "node" is a separate folder holding its ranks' shards (real torch.save files), committed as a
+part (`world_size`, `ranks`, `node`). The end-to-end run through real watchers, a real Prefect
+server and `safepoint serve` is in tests/test_events_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import torch
+
+from safepoint import assemble, commit
+from safepoint.completeness import Completeness, assess
+from safepoint.config import Config
+from safepoint.decisions import resume_point
+from safepoint.destinations import open_destination
+from safepoint.errors import FormatError
+from safepoint.format import MARKER_NAME, build_manifest, digest_bytes
+from safepoint.parts import PARTS_DIR, Assembly, merge_manifests
+from safepoint.parts import assemble as assemble_parts
+from safepoint.pipeline import ingest
+from safepoint.states import CheckpointState as CS
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+S = timedelta(seconds=1)
+NODES = {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}
+
+
+# -- completeness: a pure decision, tested by tables ---------------------------------------------
+
+@pytest.mark.parametrize(("world", "delivered", "now", "timeout", "expected", "status", "missing"), [
+    (1, {0: 0}, 0, 10, None, Completeness.COMPLETE, ()),
+    (6, {r: 0 for r in range(6)}, 100, 10, None, Completeness.COMPLETE, ()),
+    (6, {0: 0, 1: 0}, 5, 10, None, Completeness.WAITING, (2, 3, 4, 5)),
+    (6, {0: 0, 1: 0}, 10, 10, None, Completeness.INCOMPLETE, (2, 3, 4, 5)),      # deadline reached
+    (6, {0: 0, 1: 0, 2: 9, 3: 9}, 11, 10, None, Completeness.INCOMPLETE, (4, 5)),  # counted from the first
+    (6, {}, 1000, 10, None, Completeness.WAITING, (0, 1, 2, 3, 4, 5)),            # nothing to time out
+    (4, {0: 0, 2: 0}, 1, 10, (0, 2), Completeness.COMPLETE, ()),                  # only ranks 0 and 2 expected
+    (4, {0: 0, 1: 0, 3: 0}, 1, 10, (0, 2), Completeness.WAITING, (2,)),           # extra ranks are ignored
+    (2, {0: 0, 1: 50}, 60, 10, None, Completeness.COMPLETE, ()),                  # late but arrived: complete
+])
+def test_assess_table(world, delivered, now, timeout, expected, status, missing):
+    a = assess(world, {r: T0 + t * S for r, t in delivered.items()}, T0 + now * S, timeout * S, expected=expected)
+    assert a.status is status
+    assert a.missing == missing
+    if status is Completeness.COMPLETE:
+        assert a.complete and a.deadline is None and "all" in a.summary()
+    elif delivered and set(delivered) & set(a.expected):
+        assert a.deadline == T0 + min(t for r, t in delivered.items() if r in a.expected) * S + timeout * S
+        assert str(len(missing)) in a.summary()
+
+
+@pytest.mark.parametrize(("world", "expected"), [(0, None), (2, (0, 2)), (2, (-1,))])
+def test_assess_rejects_bad_input(world, expected):
+    with pytest.raises(ValueError):
+        assess(world, {}, T0, S, expected=expected)
+
+
+# -- merge: pure and deterministic ---------------------------------------------------------------
+
+def _part(ranks, node, files, world=6, created="2026-01-01T00:00:00.000000Z", parent=None, meta=None):
+    from safepoint.format import FileEntry
+
+    m = build_manifest("r", 7, [FileEntry(p, len(p), (c * 64)[:64]) for p, c in files], world_size=world,
+                       ranks=tuple(ranks), node=node, created=created, parent=parent, meta=meta or {})
+    return m, digest_bytes(m.to_json_bytes())
+
+
+def test_merge_is_deterministic_and_records_parts():
+    a = _part((0, 1), "n0", [("rank0.pt", "a"), ("rank1.pt", "b"), ("common.json", "c")], meta={"tags": ["x"]})
+    b = _part((2, 3), "n1", [("rank2.pt", "d"), ("common.json", "c")], created="2026-01-01T00:00:05.000000Z")
+    c = _part((4, 5), "n2", [("rank4.pt", "e"), ("rank5.pt", "f")])
+    one = merge_manifests([a, b, c])
+    two = merge_manifests([c, a, b])
+    assert one.to_json_bytes() == two.to_json_bytes()
+    assert one.held_ranks == tuple(range(6)) and one.node is None
+    assert [f.path for f in one.files] == ["common.json", "rank0.pt", "rank1.pt", "rank2.pt", "rank4.pt", "rank5.pt"]
+    assert one.created == "2026-01-01T00:00:05.000000Z"
+    assert one.meta["tags"] == ["x"]
+    assert [p["node"] for p in one.meta["parts"]] == ["n0", "n1", "n2"]
+    assert one.meta["parts"][1] == {"node": "n1", "ranks": [2, 3], "manifest_blake3": b[1]}
+
+
+@pytest.mark.parametrize("bad", [
+    _part((2, 3), "n1", [("rank0.pt", "9")]),                       # same path, other bytes
+    _part((1, 2), "n1", [("rank2.pt", "d")]),                       # rank 1 held twice
+    _part((2, 3), "n1", [("rank2.pt", "d")], world=8),              # another world size
+    _part((2, 3), "n1", [("rank2.pt", "d")], parent=("q", 1)),      # another parent
+])
+def test_merge_refuses_disagreeing_parts(bad):
+    a = _part((0, 1), "n0", [("rank0.pt", "a"), ("rank1.pt", "b")])
+    with pytest.raises(FormatError):
+        merge_manifests([a, bad])
+
+
+# -- the whole thing on real folders and a file:// destination -----------------------------------
+
+def make_part(root: Path, run: str, step: int, node: str, ranks, *, world: int = 6, scale: float = 1.0,
+              nan: bool = False) -> Path:
+    """A node's folder with one real torch.save shard per rank it holds, committed as a part."""
+    folder = root / node / run / f"step-{step}"
+    folder.mkdir(parents=True)
+    for r in ranks:
+        w = torch.full((4, 4), float(r) * scale + step)
+        if nan and r == ranks[0]:
+            w[0, 0] = float("nan")
+        torch.save({"shard": w, "rank": torch.tensor(r)}, folder / f"rank{r:02d}.pt")
+    if 0 in ranks:
+        (folder / "config.json").write_text(json.dumps({"world_size": world}))
+    commit(folder, run, step, world_size=world, ranks=list(ranks), node=node)
+    return folder
+
+
+@pytest.fixture
+def cfg(monkeypatch):
+    monkeypatch.setenv("SAFEPOINT_MULTINODE_TIMEOUT_S", "30")
+    return Config()
+
+
+def test_three_nodes_become_verified_when_all_deliver(tmp_path, catalog, cfg):
+    durable = (tmp_path / "durable").as_uri()
+    parts = {n: make_part(tmp_path, "mn", 10, n, r) for n, r in NODES.items()}
+    states = []
+    for node in ("n1", "n0", "n2"):  # any order: the last one assembles
+        out = ingest(parts[node], [durable], catalog, cfg)
+        states.append(out.state)
+    assert states == [CS.REPLICATING, CS.REPLICATING, CS.VERIFIED]
+    row = catalog.get("mn", 10)
+    assert row.state is CS.VERIFIED and row.complete and row.delivered_ranks == tuple(range(6))
+    assert row.file_count == 7  # six shards and rank 0's config.json
+    base = Path(durable[len("file://"):]) / "mn" / "10"
+    assert (base / MARKER_NAME).is_file()
+    assert sorted(p.name for p in (base / PARTS_DIR).iterdir()) == ["0", "2", "4"]
+    merged = json.loads((base / "MANIFEST.json").read_text())
+    assert merged["ranks"] == list(range(6)) and merged["node"] is None
+    assert [p["node"] for p in merged["meta"]["parts"]] == ["n0", "n1", "n2"]
+    # The assembled replica verifies as a whole, like any snapshot.
+    from safepoint.pipeline import verify_url
+
+    report, _ = verify_url(catalog, f"{durable}/mn/10", cfg)
+    assert report.outcome is CS.VERIFIED and len(report.files) == 7
+    kinds = [e["detail"].get("to") for e in catalog.events(row.id, kind="state")]
+    assert kinds[-3:] == ["replicated", "validating", "verified"]
+    # A duplicate delivery changes nothing.
+    assert ingest(parts["n2"], [durable], catalog, cfg).state is CS.VERIFIED
+
+
+def test_lost_node_times_out_incomplete_and_a_late_part_completes_the_set(tmp_path, catalog, cfg):
+    durable = (tmp_path / "durable").as_uri()
+    # Step 5 is fully delivered: the resume point.
+    for n, r in NODES.items():
+        ingest(make_part(tmp_path, "mn", 5, n, r), [durable], catalog, cfg)
+    assert catalog.get("mn", 5).state is CS.VERIFIED
+    # Step 10: n2 dies before delivering.
+    p0 = make_part(tmp_path, "mn", 10, "n0", NODES["n0"])
+    p1 = make_part(tmp_path, "mn", 10, "n1", NODES["n1"])
+    ingest(p0, [durable], catalog, cfg)
+    ingest(p1, [durable], catalog, cfg)
+    row = catalog.get("mn", 10)
+    assert row.state is CS.REPLICATING and not row.complete
+    # Before the timeout the periodic check changes nothing; after it, the set is incomplete.
+    first = min(r["delivered_at"] for r in catalog.ranks(row.id))
+    assert assemble.apply_timeouts(catalog, cfg, now=first + timedelta(seconds=29)) == []
+    acts = assemble.apply_timeouts(catalog, cfg, now=first + timedelta(seconds=31))
+    assert [(a.step, a.state, a.assessment.missing) for a in acts] == [(10, CS.INCOMPLETE, (4, 5))]
+    row = catalog.get("mn", 10)
+    assert row.state is CS.INCOMPLETE and "4, 5" in row.error
+    assert not (Path(durable[len("file://"):]) / "mn" / "10" / MARKER_NAME).exists()
+    decision = resume_point(catalog.list_checkpoints("mn"))
+    assert decision.chosen.step == 5
+    # The node comes back and delivers late: the set completes, is assembled and validated.
+    p2 = make_part(tmp_path, "mn", 10, "n2", NODES["n2"])
+    assert ingest(p2, [durable], catalog, cfg).state is CS.VERIFIED
+    assert resume_point(catalog.list_checkpoints("mn")).chosen.step == 10
+
+
+def test_all_ranks_registered_but_a_part_never_replicated(tmp_path, catalog, cfg):
+    """The last node registered but died before its part committed: the timeout still fires."""
+    from safepoint.pipeline import register
+    from safepoint.snapshot import LocalSnapshot
+
+    durable = (tmp_path / "durable").as_uri()
+    ingest(make_part(tmp_path, "mn", 3, "n0", (0, 1, 2)), [durable], catalog, cfg)
+    dead = LocalSnapshot.open(make_part(tmp_path, "mn", 3, "n1", (3, 4, 5)))
+    row = register(catalog, dead)  # registered, then killed before replicating
+    assert catalog.get_by_id(row.id).complete
+    last = max(r["delivered_at"] for r in catalog.ranks(row.id))
+    assert assemble.apply_timeouts(catalog, cfg, now=last + timedelta(seconds=5)) == []
+    acts = assemble.apply_timeouts(catalog, cfg, now=last + timedelta(seconds=31))
+    assert [a.state for a in acts] == [CS.INCOMPLETE]
+    assert "not assembled" in catalog.get_by_id(row.id).error
+
+
+def test_periodic_check_assembles_a_set_nobody_finished(tmp_path, catalog, cfg):
+    """Every part committed at the destination but the last ingest died before assembling."""
+    from safepoint.pipeline import register
+    from safepoint.snapshot import LocalSnapshot
+
+    durable = (tmp_path / "durable").as_uri()
+    ingest(make_part(tmp_path, "mn", 4, "n0", (0, 1, 2)), [durable], catalog, cfg)
+    snap = LocalSnapshot.open(make_part(tmp_path, "mn", 4, "n1", (3, 4, 5)))
+    row = register(catalog, snap)
+    assemble.replicate_part_to(catalog, row.id, snap, durable, cfg)  # ... and died here
+    assert catalog.get_by_id(row.id).state is CS.REPLICATING
+    acts = assemble.apply_timeouts(catalog, cfg)
+    assert [(a.state, a.validate) for a in acts] == [(CS.REPLICATED, True)]
+
+
+def test_bad_shard_on_one_node_spoils_the_checkpoint(tmp_path, catalog, cfg):
+    durable = (tmp_path / "durable").as_uri()
+    ingest(make_part(tmp_path, "mn", 8, "n0", (0, 1, 2)), [durable], catalog, cfg)
+    out = ingest(make_part(tmp_path, "mn", 8, "n1", (3, 4, 5), nan=True), [durable], catalog, cfg)
+    assert out.state is CS.INVALID
+    assert "nan" in (catalog.get("mn", 8).error or "").lower()
+
+
+def test_corrupt_local_part_is_corrupt(tmp_path, catalog, cfg):
+    durable = (tmp_path / "durable").as_uri()
+    folder = make_part(tmp_path, "mn", 9, "n0", (0, 1, 2))
+    (folder / "rank01.pt").write_bytes(b"rot" + (folder / "rank01.pt").read_bytes()[3:])
+    assert ingest(folder, [durable], catalog, cfg).state is CS.CORRUPT
+
+
+def test_assembly_waits_for_parts_and_refuses_a_foreign_part(tmp_path, catalog, cfg):
+    from safepoint.parts import PartDestination, part_key
+    from safepoint.replicate import replicate
+    from safepoint.snapshot import LocalSnapshot
+
+    dest = open_destination((tmp_path / "durable").as_uri())
+    a = LocalSnapshot.open(make_part(tmp_path, "mn", 2, "n0", (0, 1, 2)))
+    replicate(a, PartDestination(dest, part_key(a.manifest.held_ranks)))
+    want = {"0": digest_bytes(a.manifest_bytes), "3": None}
+    res = assemble_parts(dest, "mn", 2, want)
+    assert res.state is Assembly.WAITING and res.waiting_for == ("3",)
+    res = assemble_parts(dest, "mn", 2, {"0": "f" * 64})
+    assert res.state is Assembly.CONFLICT
+    assert dest.read_control("mn", 2, MARKER_NAME) is None
+
+
+def test_reserved_prefix_is_refused(tmp_path, catalog, cfg):
+    folder = tmp_path / "n0" / "x"
+    (folder / ".safepoint").mkdir(parents=True)
+    (folder / ".safepoint" / "parts").write_bytes(b"x")
+    commit(folder, "mn", 1, world_size=2, ranks=[0], node="n0")
+    with pytest.raises(FormatError, match="must not lie under"):
+        ingest(folder, [(tmp_path / "d").as_uri()], catalog, cfg)
+    assert catalog.get("mn", 1) is None
