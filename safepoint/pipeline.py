@@ -55,7 +55,10 @@ def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
     if row.state is CS.PRUNED:
         raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
     catalog.transition(row.id, CS.REPLICATING)
-    return catalog.get_by_id(row.id)
+    row = catalog.get_by_id(row.id)
+    if row.state is CS.PRUNED:  # retention marked it between record_commit and the transition
+        raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
+    return row
 
 
 def replicate_to(
