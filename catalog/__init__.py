@@ -10,13 +10,14 @@ from typing import Any
 
 __all__ = [
     "Catalog", "open_catalog", "default_catalog_url",
-    "CheckpointRow", "CheckpointView", "ReplicaRow", "ReplicaView", "ValidationRow",
+    "CheckpointRow", "CheckpointView", "ReplicaRow", "ReplicaView", "ValidationRow", "LineageLink", "LocalCopy",
 ]
 
 _WHERE = {
     "Catalog": "catalog.store", "open_catalog": "catalog.store", "default_catalog_url": "catalog.db",
     "CheckpointRow": "catalog.views", "CheckpointView": "catalog.views", "ReplicaRow": "catalog.views",
-    "ReplicaView": "catalog.views", "ValidationRow": "catalog.views",
+    "ReplicaView": "catalog.views", "ValidationRow": "catalog.views", "LineageLink": "catalog.views",
+    "LocalCopy": "catalog.views",
 }
 
 

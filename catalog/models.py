@@ -83,6 +83,8 @@ class Checkpoint(Base):
         sa.Index("ix_checkpoints_state", "state"),
         sa.Index("ix_checkpoints_local_path", "local_path"),
         sa.Index("ix_checkpoints_parent_id", "parent_id"),
+        # Adopting orphans: "who declared (run, step) as parent and is not linked yet?" (0002).
+        sa.Index("ix_checkpoints_parent_run_parent_step", "parent_run", "parent_step"),
     )
 
     id: Mapped[int] = mapped_column(BigID, primary_key=True)
@@ -101,6 +103,9 @@ class Checkpoint(Base):
     parent_id: Mapped[int | None] = mapped_column(
         BigID, sa.ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True
     )
+    # Lineage as declared by the manifest or set_parent(); parent_id links it once cataloged.
+    parent_run: Mapped[str | None] = mapped_column(sa.String(128), nullable=True)
+    parent_step: Mapped[int | None] = mapped_column(sa.BigInteger, nullable=True)
     pinned: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     tags: Mapped[list[str]] = mapped_column(JSONType, default=list, server_default=sa.text("'[]'"))
     metrics: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict, server_default=sa.text("'{}'"))

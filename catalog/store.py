@@ -13,13 +13,13 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 from catalog import db
 from catalog.models import (
@@ -34,11 +34,24 @@ from catalog.models import (
     Validation,
     utcnow,
 )
-from catalog.views import CheckpointRow, CheckpointView, ReplicaRow, ReplicaView, ValidationRow
+from catalog.views import (
+    CheckpointRow,
+    CheckpointView,
+    LineageLink,
+    LocalCopy,
+    ReplicaRow,
+    ReplicaView,
+    ValidationRow,
+)
 from safepoint.errors import CatalogError
-from safepoint.format import FileEntry, Manifest
+from safepoint.format import FileEntry, Manifest, check_run, check_step
 from safepoint.redact import redact, redact_url
 from safepoint.states import CheckpointState, ReplicaState, can_transition
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from safepoint.decisions import ResumeDecision
 
 __all__ = ["Catalog", "open_catalog", "redact", "redact_url"]
 
@@ -133,6 +146,7 @@ class Catalog:
             state_changed_at=ck.state_changed_at, parent_id=ck.parent_id, pinned=bool(ck.pinned),
             tags=tuple(ck.tags or ()), metrics=dict(ck.metrics or {}), error=ck.error, version=ck.version,
             delivered_ranks=self._ranks(s, ck.id),
+            parent=(ck.parent_run, ck.parent_step) if ck.parent_run is not None else None,
         )
 
     def _get(self, s: Session, where: Any) -> CheckpointRow | None:
@@ -145,6 +159,10 @@ class Catalog:
         """Create the run if absent (settings are only used on creation); return its id."""
         with self._write() as s:
             return self._run_id(s, name, settings)
+
+    def get_run_id(self, name: str) -> int | None:
+        with self._read() as s:
+            return s.execute(sa.select(Run.id).where(Run.name == name)).scalar_one_or_none()
 
     def runs(self) -> list[str]:
         with self._read() as s:
@@ -181,6 +199,7 @@ class Catalog:
         raise AssertionError("unreachable")
 
     def _parent_id(self, s: Session, m: Manifest, checkpoint_id: int, run_id: int) -> int | None:
+        """Resolve the manifest's declared parent; a missing one is logged and linked when it appears."""
         if m.parent is None:
             return None
         prun, pstep = m.parent
@@ -192,6 +211,15 @@ class Catalog:
             self._event(s, "parent_missing", checkpoint_id=checkpoint_id, run_id=run_id,
                         detail={"run": prun, "step": pstep})
         return pid
+
+    def _adopt_children(self, s: Session, checkpoint_id: int, run: str, step: int) -> None:
+        """Link checkpoints that declared (run, step) as parent before it was cataloged."""
+        s.execute(
+            sa.update(Checkpoint)
+            .where(Checkpoint.parent_run == run, Checkpoint.parent_step == step, Checkpoint.parent_id.is_(None),
+                   Checkpoint.id != checkpoint_id)
+            .values(parent_id=checkpoint_id).execution_options(synchronize_session=False)
+        )
 
     def _add_files_and_ranks(self, s: Session, ck_id: int, m: Manifest, blake: str, local_path: str | None,
                              files: Iterable[FileEntry]) -> None:
@@ -236,6 +264,8 @@ class Catalog:
             s.add(ck)
             s.flush()
             ck.parent_id = self._parent_id(s, m, ck.id, run_id)
+            ck.parent_run, ck.parent_step = m.parent if m.parent else (None, None)
+            self._adopt_children(s, ck.id, m.run, m.step)
             self._add_files_and_ranks(s, ck.id, m, blake, local_path, m.files)
             self._refresh_totals(s, ck)
             self._event(s, "commit", checkpoint_id=ck.id, run_id=run_id,
@@ -262,6 +292,7 @@ class Catalog:
         ck.local_path, ck.node, ck.world_size, ck.manifest_blake3 = local_path, m.node, m.world_size, blake
         ck.created_at = _parse_time(m.created)
         ck.parent_id = self._parent_id(s, m, ck.id, run_id)
+        ck.parent_run, ck.parent_step = m.parent if m.parent else (None, None)
         if tags:
             ck.tags = tags
         if metrics:
@@ -358,6 +389,45 @@ class Catalog:
                      "manifest_blake3": r.manifest_blake3, "delivered_at": r.delivered_at}
                     for r in s.execute(q).scalars()]
 
+    # Columns of a CheckpointView; plain column selects (no ORM identity map) keep pages cheap.
+    _VIEW_COLS = (
+        Checkpoint.id, Run.name.label("run"), Checkpoint.step, Checkpoint.state, Checkpoint.local_path,
+        Checkpoint.created_at, Checkpoint.total_bytes, Checkpoint.pinned, Checkpoint.tags, Checkpoint.metrics,
+        Checkpoint.parent_run, Checkpoint.parent_step, Checkpoint.world_size, Checkpoint.file_count,
+        Checkpoint.state_changed_at, Checkpoint.error, Checkpoint.version,
+    )
+
+    @staticmethod
+    def _replica_views(s: Session, q: Any) -> dict[int, list[ReplicaView]]:
+        reps: dict[int, list[ReplicaView]] = {}
+        for cid, url, dest, state, verified_at in s.execute(q):
+            reps.setdefault(cid, []).append(ReplicaView(url, dest, ReplicaState(state), verified_at))
+        return reps
+
+    def _views(self, s: Session, q: Any, replicas_where: list[Any] | None = None) -> list[CheckpointView]:
+        """Run `q` (selecting _VIEW_COLS) and attach replicas with one more query.
+
+        Replicas are fetched by id list (small pages) or, for big listings, by `replicas_where`
+        (the same filter joined through checkpoints) so no id list grows with the catalog.
+        """
+        rows = s.execute(q).all()
+        rq = sa.select(Replica.checkpoint_id, Replica.url, Replica.destination, Replica.state, Replica.verified_at)
+        if replicas_where is None:
+            if not rows:
+                return []
+            rq = rq.where(Replica.checkpoint_id.in_([r.id for r in rows]))
+        else:
+            rq = (rq.join(Checkpoint, Replica.checkpoint_id == Checkpoint.id).join(Run, Checkpoint.run_id == Run.id)
+                  .where(*replicas_where))
+        reps = self._replica_views(s, rq.order_by(Replica.id))
+        return [CheckpointView(
+            id=r.id, run=r.run, step=r.step, state=C(r.state), local_path=r.local_path, created_at=r.created_at,
+            total_bytes=r.total_bytes, pinned=bool(r.pinned), tags=tuple(r.tags or ()), metrics=dict(r.metrics or {}),
+            parent=(r.parent_run, r.parent_step) if r.parent_run is not None else None, world_size=r.world_size,
+            replicas=tuple(reps.get(r.id, ())), file_count=r.file_count, state_changed_at=r.state_changed_at,
+            error=r.error, version=r.version,
+        ) for r in rows]
+
     def list_checkpoints(self, run: str | None = None,
                          states: Iterable[CheckpointState] | None = None) -> list[CheckpointView]:
         """Checkpoints with lineage and replicas, ordered by run then step (two queries, no N+1)."""
@@ -366,29 +436,147 @@ class Catalog:
             where.append(Run.name == run)
         if states is not None:
             where.append(Checkpoint.state.in_([C(x).value for x in states]))
-        P, PR = aliased(Checkpoint), aliased(Run)
-        q = (sa.select(Checkpoint, Run.name, PR.name, P.step)
-             .join(Run, Checkpoint.run_id == Run.id)
-             .outerjoin(P, Checkpoint.parent_id == P.id).outerjoin(PR, P.run_id == PR.id)
-             .where(*where).order_by(Run.name, Checkpoint.step))
-        rq = (sa.select(Replica).join(Checkpoint, Replica.checkpoint_id == Checkpoint.id)
-              .join(Run, Checkpoint.run_id == Run.id).where(*where).order_by(Replica.id))
+        q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
+             .order_by(Run.name, Checkpoint.step))
         with self._read() as s:
-            reps: dict[int, list[ReplicaView]] = {}
-            for r in s.execute(rq).scalars():
-                reps.setdefault(r.checkpoint_id, []).append(
-                    ReplicaView(r.url, r.destination, ReplicaState(r.state), r.verified_at))
-            out = []
-            for ck, rname, prun, pstep in s.execute(q):
-                out.append(CheckpointView(
-                    id=ck.id, run=rname, step=ck.step, state=C(ck.state), local_path=ck.local_path,
-                    created_at=ck.created_at, total_bytes=ck.total_bytes, pinned=bool(ck.pinned),
-                    tags=tuple(ck.tags or ()), metrics=dict(ck.metrics or {}),
-                    parent=(prun, pstep) if prun is not None else None, world_size=ck.world_size,
-                    replicas=tuple(reps.get(ck.id, ())), file_count=ck.file_count,
-                    state_changed_at=ck.state_changed_at, error=ck.error,
-                ))
-            return out
+            return self._views(s, q, replicas_where=where)
+
+    # -- resume point -------------------------------------------------------------------------
+
+    def candidates_for_resume(self, run: str, *, max_step: int | None = None, before: datetime | None = None,
+                              below_step: int | None = None, limit: int = 16,
+                              _session: Session | None = None) -> list[CheckpointView]:
+        """One page of `run`'s checkpoints, newest first, that a resume decision may look at.
+
+        Only rows within the rules' scope (step <= max_step, created before `before`) and below
+        `below_step` (the previous page's last step). The plan is a backward range scan of
+        uq_checkpoints_run_id_step (run_id, step) that stops after `limit` rows, plus one lookup of
+        their replicas by uq_replicas_checkpoint_id_url: cost does not grow with the catalog.
+        """
+        where: list[Any] = [Checkpoint.run_id == sa.select(Run.id).where(Run.name == run).scalar_subquery()]
+        if max_step is not None:
+            where.append(Checkpoint.step <= max_step)
+        if below_step is not None:
+            where.append(Checkpoint.step < below_step)
+        if before is not None:
+            where.append(Checkpoint.created_at < before)
+        q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
+             .order_by(Checkpoint.step.desc()).limit(limit))
+        if _session is not None:
+            return self._views(_session, q)
+        with self._read() as s:
+            return self._views(s, q)
+
+    def resume_point(self, run: str, *, min_replicas: int = 1, max_step: int | None = None,
+                     before: datetime | None = None, tag: str | None = None, page: int = 8) -> ResumeDecision:
+        """Where `run` resumes from: safepoint.decisions.resume_point over only the rows it needs.
+
+        Pages newest-first (8, 32, 128, ... rows) until the pure decision has a winner: the rows
+        seen are then exactly the winner and every newer candidate, so the decision (and its
+        explanation) is the one the pure function gives on the whole run. One read transaction,
+        so every page sees the same snapshot.
+        """
+        from safepoint.decisions import resume_point as decide
+
+        seen: list[CheckpointView] = []
+        below: int | None = None
+        with self._read() as s:
+            while True:
+                batch = self.candidates_for_resume(run, max_step=max_step, before=before, below_step=below,
+                                                   limit=page, _session=s)
+                seen.extend(batch)
+                decision = decide(seen, min_replicas=min_replicas, max_step=max_step, before=before, tag=tag)
+                if decision.chosen is not None or len(batch) < page:
+                    return decision
+                below, page = batch[-1].step, min(page * 4, 4096)
+
+    # -- lineage ------------------------------------------------------------------------------
+
+    _LINK_COLS = (Checkpoint.id, Run.name.label("run"), Checkpoint.step, Checkpoint.state, Checkpoint.created_at,
+                  Checkpoint.parent_id, Checkpoint.parent_run, Checkpoint.parent_step)
+
+    def _link_row(self, s: Session, where: Any) -> Any:
+        return s.execute(sa.select(*self._LINK_COLS).join(Run, Checkpoint.run_id == Run.id).where(where)).first()
+
+    def _parent_link_row(self, s: Session, cur: Any) -> Any:
+        if cur.parent_id is not None:
+            return self._link_row(s, Checkpoint.id == cur.parent_id)
+        if cur.parent_run is None:
+            return None
+        return self._link_row(s, sa.and_(Run.name == cur.parent_run, Checkpoint.step == cur.parent_step))
+
+    def lineage(self, run: str, step: int, *, max_depth: int = 10_000) -> list[LineageLink]:
+        """The chain from (run, step) back to its root, newest first, across runs.
+
+        Each hop is one primary-key (or (run, step)) lookup. A declared parent missing from the
+        catalog ends the chain as a link with state None. Stops on a cycle (only a hand-made
+        manifest can declare one; set_parent refuses them).
+        """
+        chain: list[LineageLink] = []
+        with self._read() as s:
+            cur = self._link_row(s, sa.and_(Run.name == run, Checkpoint.step == step))
+            seen: set[int] = set()
+            while cur is not None and cur.id not in seen and len(chain) < max_depth:
+                seen.add(cur.id)
+                relation = None
+                if cur.parent_run is not None:
+                    relation = "resumed" if cur.parent_run == cur.run else "forked"
+                chain.append(LineageLink(cur.run, cur.step, cur.id, C(cur.state), cur.created_at, relation))
+                if cur.parent_run is None:
+                    break
+                nxt = self._parent_link_row(s, cur)
+                if nxt is None:
+                    chain.append(LineageLink(cur.parent_run, int(cur.parent_step), None, None, None, None))
+                    break
+                cur = nxt
+        return chain
+
+    def children(self, run: str, step: int) -> list[LineageLink]:
+        """Checkpoints that name (run, step) as their parent: later resumes and forks, by run and step."""
+        with self._read() as s:
+            me = self._link_row(s, sa.and_(Run.name == run, Checkpoint.step == step))
+            if me is None:
+                return []
+            q = (sa.select(*self._LINK_COLS).join(Run, Checkpoint.run_id == Run.id)
+                 .where(Checkpoint.parent_id == me.id).order_by(Run.name, Checkpoint.step))
+            return [LineageLink(r.run, r.step, r.id, C(r.state), r.created_at,
+                                "resumed" if r.run == run else "forked") for r in s.execute(q)]
+
+    def set_parent(self, run: str, step: int, parent: tuple[str, int] | None) -> CheckpointRow:
+        """Record (or clear) the checkpoint (run, step) was resumed or forked from; refuses cycles.
+
+        The Python API counterpart of `safepoint commit --parent` for checkpoints already
+        cataloged. The parent need not be cataloged yet: it is linked when it appears.
+        """
+        with self._write() as s:
+            me = self._link_row(s, sa.and_(Run.name == run, Checkpoint.step == step))
+            if me is None:
+                raise CatalogError(f"no checkpoint {run}/{step} in the catalog")
+            pid = None
+            if parent is not None:
+                prun, pstep = check_run(parent[0]), check_step(parent[1])
+                if (prun, pstep) == (run, step):
+                    raise CatalogError(f"{run}/{step} cannot be its own parent")
+                p = self._link_row(s, sa.and_(Run.name == prun, Checkpoint.step == pstep))
+                hops = 0
+                while p is not None and hops < 100_000:
+                    if p.id == me.id:
+                        raise CatalogError(f"{prun}/{pstep} descends from {run}/{step}: that parent makes a cycle")
+                    pid = p.id if pid is None else pid
+                    p, hops = self._parent_link_row(s, p), hops + 1
+            values = {"parent_run": parent[0] if parent else None, "parent_step": parent[1] if parent else None,
+                      "parent_id": pid}
+            s.execute(sa.update(Checkpoint).where(Checkpoint.id == me.id)
+                      .values(**values, version=Checkpoint.version + 1, updated_at=utcnow())
+                      .execution_options(synchronize_session=False))
+            run_id = s.execute(sa.select(Checkpoint.run_id).where(Checkpoint.id == me.id)).scalar_one()
+            self._event(s, "lineage", checkpoint_id=me.id, run_id=run_id,
+                        detail={"parent": {"run": parent[0], "step": parent[1]} if parent else None,
+                                "from": {"run": me.parent_run, "step": me.parent_step} if me.parent_run else None,
+                                "linked": pid is not None})
+        row = self.get(run, step)
+        assert row is not None
+        return row
 
     # -- state --------------------------------------------------------------------------------
 
@@ -451,15 +639,169 @@ class Catalog:
     def set_metrics(self, checkpoint_id: int, metrics: dict[str, Any]) -> bool:
         return self._update_checkpoint(checkpoint_id, metrics=dict(metrics))
 
+    # -- retention ----------------------------------------------------------------------------
+
+    def mark_pruned(self, run: str, checkpoint_ids: Iterable[int],
+                    recheck: Callable[[list[CheckpointView]], Iterable[int]], *,
+                    detail: dict[str, Any] | None = None) -> list[CheckpointView]:
+        """Mark planned checkpoints `pruned`, but only those `recheck` still allows right now.
+
+        One transaction: lock the run's checkpoint rows (FOR UPDATE on PostgreSQL; SQLite write
+        transactions are already exclusive), read the run again, call `recheck` (the pure planner
+        re-run on this fresh view) and mark the intersection. A transition, a replica change
+        (set_replica share-locks its checkpoint) or a new verified checkpoint that lands between
+        planning and now is therefore seen before anything is marked, and nothing can change the
+        run while marking. Files are deleted afterwards, outside the transaction (catalog first).
+        """
+        wanted = set(checkpoint_ids)
+        if not wanted:
+            return []
+        with self._write() as s:
+            run_id = s.execute(sa.select(Run.id).where(Run.name == run)).scalar_one_or_none()
+            if run_id is None:
+                return []
+            if s.get_bind().dialect.name == "postgresql":
+                s.execute(sa.select(Checkpoint.id).where(Checkpoint.run_id == run_id).order_by(Checkpoint.id)
+                          .with_for_update())
+            where = [Checkpoint.run_id == run_id]
+            q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
+                 .order_by(Checkpoint.step))
+            views = self._views(s, q, replicas_where=where)
+            allowed = wanted & set(recheck(views))
+            now = utcnow()
+            marked: list[CheckpointView] = []
+            for v in views:
+                if v.id not in allowed or not can_transition(v.state, C.PRUNED):
+                    continue
+                res = s.execute(
+                    sa.update(Checkpoint).where(Checkpoint.id == v.id, Checkpoint.version == v.version)
+                    .values(state=C.PRUNED.value, version=Checkpoint.version + 1, state_changed_at=now,
+                            updated_at=now).execution_options(synchronize_session=False)
+                )
+                if res.rowcount == 1:
+                    self._event(s, "state", checkpoint_id=v.id, run_id=run_id,
+                                detail={"from": v.state.value, "to": C.PRUNED.value, **(detail or {})})
+                    marked.append(v)
+            return marked
+
+    # -- local copies (burst buffer) ----------------------------------------------------------
+
+    def _verified_count(self) -> Any:
+        return (sa.select(sa.func.count()).select_from(Replica)
+                .where(Replica.checkpoint_id == Checkpoint.id, Replica.state == ReplicaState.VERIFIED.value)
+                .scalar_subquery())
+
+    def local_copies(self, root: str | os.PathLike[str]) -> list[LocalCopy]:
+        """Local folders under `root` that the catalog still points at (checkpoints and rank parts)."""
+        prefix = _norm_path(root)
+        assert prefix is not None
+        under = prefix.rstrip(os.sep) + os.sep
+
+        def inside(col: Any) -> Any:
+            return sa.or_(col == prefix, col.startswith(under, autoescape=True))
+
+        base = (Checkpoint.id, Run.name.label("run"), Checkpoint.step, Checkpoint.state, Checkpoint.version,
+                Checkpoint.created_at, self._verified_count().label("nver"))
+        q1 = (sa.select(*base, Checkpoint.local_path.label("path"), sa.null().label("rank"))
+              .join(Run, Checkpoint.run_id == Run.id).where(inside(Checkpoint.local_path)))
+        q2 = (sa.select(*base, CheckpointRank.local_path.label("path"), CheckpointRank.rank)
+              .join(Checkpoint, CheckpointRank.checkpoint_id == Checkpoint.id).join(Run, Checkpoint.run_id == Run.id)
+              .where(inside(CheckpointRank.local_path),
+                     sa.or_(Checkpoint.local_path.is_(None), CheckpointRank.local_path != Checkpoint.local_path)))
+        out: dict[tuple[int, str], LocalCopy] = {}
+        with self._read() as s:
+            for q in (q1, q2):
+                for r in s.execute(q):
+                    out.setdefault((r.id, r.path), LocalCopy(
+                        checkpoint_id=r.id, run=r.run, step=r.step, state=C(r.state), version=r.version,
+                        created_at=r.created_at, path=r.path, verified_replicas=int(r.nver), rank=r.rank))
+        return sorted(out.values(), key=lambda c: (c.created_at, c.run, c.step, c.path))
+
+    def claim_local_eviction(self, copy: LocalCopy, *, states: Iterable[CheckpointState],
+                             min_replicas: int = 1) -> bool:
+        """Guard before deleting a local copy: True only if, right now, the checkpoint is unchanged
+        since planning (same version), in one of `states`, and has >= `min_replicas` verified
+        replicas. Bumps the version (a stale plan elsewhere then fails) and logs an event."""
+        allowed = {C(x).value for x in states}
+        with self._write() as s:
+            cur = s.execute(sa.select(Checkpoint.state, Checkpoint.version, Checkpoint.run_id)
+                            .where(Checkpoint.id == copy.checkpoint_id).with_for_update()).first()
+            if cur is None or cur.version != copy.version or cur.state not in allowed:
+                return False
+            n = s.execute(sa.select(sa.func.count()).select_from(Replica).where(
+                Replica.checkpoint_id == copy.checkpoint_id, Replica.state == ReplicaState.VERIFIED.value)).scalar_one()
+            if n < max(1, min_replicas):
+                return False
+            s.execute(sa.update(Checkpoint).where(Checkpoint.id == copy.checkpoint_id)
+                      .values(version=Checkpoint.version + 1, updated_at=utcnow())
+                      .execution_options(synchronize_session=False))
+            self._event(s, "evict", checkpoint_id=copy.checkpoint_id, run_id=cur.run_id,
+                        detail={"path": copy.path, "rank": copy.rank, "verified_replicas": int(n)})
+            return True
+
+    def local_copy_removed(self, checkpoint_id: int, path: str | os.PathLike[str]) -> None:
+        """Forget a deleted local folder (the checkpoint's own path and/or ranks' paths)."""
+        p = _norm_path(path)
+        with self._write() as s:
+            s.execute(sa.update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.local_path == p)
+                      .values(local_path=None, updated_at=utcnow(), version=Checkpoint.version + 1)
+                      .execution_options(synchronize_session=False))
+            s.execute(sa.update(CheckpointRank)
+                      .where(CheckpointRank.checkpoint_id == checkpoint_id, CheckpointRank.local_path == p)
+                      .values(local_path=None).execution_options(synchronize_session=False))
+            run_id = s.execute(sa.select(Checkpoint.run_id).where(Checkpoint.id == checkpoint_id)).scalar_one_or_none()
+            self._event(s, "evicted", checkpoint_id=checkpoint_id, run_id=run_id, detail={"path": p})
+
+    # -- corruption risk ----------------------------------------------------------------------
+
+    def risk_inputs(self, run: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+        """What safepoint.risk needs for `run`, in three queries.
+
+        Checkpoints (step, state, total_bytes, created_at, copies: replicas not deleted), the
+        run's replica and scrub/verify events (kind, at, detail, checkpoint_id) oldest first, and
+        the current state of each of its replicas.
+        """
+        copies = (sa.select(sa.func.count()).select_from(Replica)
+                  .where(Replica.checkpoint_id == Checkpoint.id, Replica.state != ReplicaState.DELETED.value)
+                  .scalar_subquery())
+        q = (sa.select(Checkpoint.id, Checkpoint.step, Checkpoint.state, Checkpoint.total_bytes,
+                       Checkpoint.created_at, copies.label("copies"))
+             .join(Run, Checkpoint.run_id == Run.id).where(Run.name == run).order_by(Checkpoint.step))
+        eq = (sa.select(Event.kind, Event.at, Event.detail, Event.checkpoint_id)
+              .join(Checkpoint, Event.checkpoint_id == Checkpoint.id).join(Run, Checkpoint.run_id == Run.id)
+              .where(Run.name == run, sa.or_(Event.kind == "replica", Event.kind.startswith("scrub"),
+                                             Event.kind.startswith("verify")))
+              .order_by(Event.id))
+        with self._read() as s:
+            cks = [{"id": r.id, "step": r.step, "state": C(r.state), "total_bytes": int(r.total_bytes),
+                    "created_at": r.created_at, "copies": int(r.copies)} for r in s.execute(q)]
+            evs = [{"kind": r.kind, "at": r.at, "detail": dict(r.detail or {}), "checkpoint_id": r.checkpoint_id}
+                   for r in s.execute(eq)]
+            states = list(s.execute(sa.select(Replica.state).join(Checkpoint, Replica.checkpoint_id == Checkpoint.id)
+                                    .join(Run, Checkpoint.run_id == Run.id).where(Run.name == run)).scalars())
+        return cks, evs, states
+
     # -- replicas -----------------------------------------------------------------------------
 
     def set_replica(self, checkpoint_id: int, url: str, destination: str, state: ReplicaState, *,
-                    bytes: int = 0, error: str | None = None) -> None:  # noqa: A002 - API name
-        """Upsert the replica at snapshot `url` (credentials stripped); logs an event on change."""
+                    bytes: int = 0, error: str | None = None) -> bool:  # noqa: A002 - API name
+        """Upsert the replica at snapshot `url` (credentials stripped); logs an event on change.
+
+        Returns False, changing nothing, for a pruned checkpoint unless `state` is `deleted`: a
+        scrub or upload that finishes after retention marked the checkpoint must not bring back
+        a replica whose files are being deleted. The checkpoint row is share-locked for the
+        transaction, so this check and retention's marking (catalog.mark_pruned) serialize.
+        """
         state = ReplicaState(state)
         url, destination, error = redact_url(url), redact_url(destination), redact(error)
         now = utcnow()
         with self._write() as s:
+            ck = s.execute(sa.select(Checkpoint.state, Checkpoint.run_id).where(Checkpoint.id == checkpoint_id)
+                           .with_for_update(read=True)).first()
+            if ck is None:
+                raise CatalogError(f"no checkpoint with id {checkpoint_id}")
+            if ck.state == C.PRUNED.value and state is not ReplicaState.DELETED:
+                return False
             prev = s.execute(sa.select(Replica.state, Replica.error)
                              .where(Replica.checkpoint_id == checkpoint_id, Replica.url == url)).first()
             ins = self._insert(Replica).values(
@@ -477,9 +819,10 @@ class Catalog:
             except IntegrityError as e:
                 raise CatalogError(f"no checkpoint with id {checkpoint_id}") from e
             if prev is None or prev.state != state.value or prev.error != error:
-                self._event(s, "replica", checkpoint_id=checkpoint_id,
+                self._event(s, "replica", checkpoint_id=checkpoint_id, run_id=ck.run_id,
                             detail={"url": url, "state": state.value, "bytes": int(bytes), "error": error,
                                     "from": prev.state if prev else None})
+            return True
 
     @staticmethod
     def _replica_row(r: Replica) -> ReplicaRow:

@@ -36,6 +36,7 @@ class CheckpointRow:
     error: str | None
     version: int
     delivered_ranks: tuple[int, ...] = ()
+    parent: tuple[str, int] | None = None   # declared lineage (run, step), linked or not
 
     @property
     def complete(self) -> bool:
@@ -83,6 +84,7 @@ class CheckpointView:
     file_count: int = 0
     state_changed_at: datetime | None = None
     error: str | None = None
+    version: int = 0      # bumped by every change: guards plan-then-act (retention, eviction)
 
     def verified_replicas(self) -> tuple[ReplicaView, ...]:
         return tuple(r for r in self.replicas if r.state == ReplicaState.VERIFIED)
@@ -97,3 +99,35 @@ class ValidationRow:
     ok: bool
     summary: str
     report: dict[str, Any] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class LineageLink:
+    """One checkpoint in a lineage chain, newest first.
+
+    `relation` says how this link relates to the next (older) one: "resumed" (same run),
+    "forked" (another run), or None at the root. A parent that was declared but is not in the
+    catalog appears with `state` None and `id` None.
+    """
+
+    run: str
+    step: int
+    id: int | None
+    state: CheckpointState | None
+    created_at: datetime | None
+    relation: str | None = None
+
+
+@dataclass(frozen=True)
+class LocalCopy:
+    """A checkpoint's (or one rank's) folder on node-local storage, as the catalog knows it."""
+
+    checkpoint_id: int
+    run: str
+    step: int
+    state: CheckpointState
+    version: int
+    created_at: datetime
+    path: str
+    verified_replicas: int
+    rank: int | None = None    # None: the checkpoint's own local_path; else one rank's part

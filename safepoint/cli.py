@@ -118,39 +118,55 @@ def cmd_ls(args) -> int:
         "run": c.run, "step": c.step, "state": str(c.state), "local_path": c.local_path,
         "bytes": c.total_bytes, "created": c.created_at.isoformat() if c.created_at else None,
         "parent": f"{c.parent[0]}:{c.parent[1]}" if c.parent else None,
+        "pinned": c.pinned, "tags": list(c.tags),
         "replicas": [{"url": r.url, "state": str(r.state)} for r in c.replicas],
     } for c in views]
     if args.json:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
-    table = Table("run", "step", "state", "bytes", "replicas", "local")
+    table = Table("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
     for r in rows:
         reps = "\n".join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
-        table.add_row(r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-")
+        marks = " ".join((["pinned"] if r["pinned"] else []) + r["tags"]) or "-"
+        table.add_row(r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-",
+                      r["parent"] or "-", marks)
     out.print(table)
     return EXIT_OK
 
 
 def cmd_resume_point(args) -> int:
-    from safepoint.decisions import resume_point
+    from safepoint.cli_catalog import parse_time
 
-    views = _views(args, args.run)
-    if not views:
-        err.print(f"no checkpoints recorded for run {args.run!r}")
-        return EXIT_BAD
-    decision = resume_point(views, min_replicas=args.min_replicas, max_step=args.max_step)
+    cat = _catalog(args)
+    decision = cat.resume_point(args.run, min_replicas=args.min_replicas, max_step=args.max_step,
+                                before=parse_time(args.before) if args.before else None, tag=args.tag)
+    passed = [{"step": c.step, "state": str(c.state), "reason": why} for c, why in decision.passed_over]
     if args.explain:
+        if decision.scope:
+            err.print("considered only checkpoints " + ", ".join(decision.scope))
         for c, why in decision.passed_over:
             err.print(f"skipped {c.run}/{c.step}: {why}")
-    if decision.chosen is None:
-        err.print(f"no verified checkpoint with a verified replica for run {args.run!r}")
-        return EXIT_BAD
     c = decision.chosen
-    doc = {"run": c.run, "step": c.step, "url": decision.urls[0], "urls": decision.urls, "local_path": c.local_path}
+    if c is None:
+        if args.json:
+            print(json.dumps({"run": args.run, "step": None, "url": None, "urls": [], "passed_over": passed}))
+        known = bool(passed) or cat.get_run_id(args.run) is not None
+        err.print(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
+                  if known else f"no checkpoints recorded for run {args.run!r}")
+        return EXIT_BAD
+    urls = decision.urls
+    doc = {"run": c.run, "step": c.step, "url": urls[0] if urls else None, "urls": urls,
+           "replicas": [{"url": r.url, "destination": r.destination,
+                         "verified_at": r.verified_at.isoformat() if r.verified_at else None}
+                        for r in c.verified_replicas()],
+           "local_path": c.local_path, "created": c.created_at.isoformat() if c.created_at else None,
+           "parent": f"{c.parent[0]}:{c.parent[1]}" if c.parent else None, "passed_over": passed}
     if args.json:
         print(json.dumps(doc))
     else:
-        out.print(f"{c.run} step {c.step}: {doc['url']}")
+        out.print(f"{c.run} step {c.step}: {doc['url'] or c.local_path}")
+        for u in urls[1:]:
+            out.print(f"  also {u}")
     return EXIT_OK
 
 
@@ -187,22 +203,38 @@ def cmd_validate(args) -> int:
 
 
 def cmd_prune(args) -> int:
-    from safepoint.config import load_config
-    from safepoint.decisions import keep_last_plan
-    from safepoint.prune import execute
+    from datetime import datetime, timezone
 
-    cat = _catalog(args)
-    views = cat.list_checkpoints(args.run)
-    plan = keep_last_plan(views, args.keep_last)
-    by_id = {c.id: c for c in views}
-    for cid, reasons in sorted(plan.keep.items(), key=lambda kv: by_id[kv[0]].step):
-        out.print(f"keep   {args.run}/{by_id[cid].step}: {'; '.join(reasons)}")
-    for c in plan.delete:
-        out.print(f"{'would delete' if args.dry_run else 'delete'} {c.run}/{c.step} ({c.state})")
-    if not args.dry_run:
-        done = execute(cat, plan, load_config())
-        out.print(f"pruned {len(done)} checkpoint(s)")
-    return EXIT_OK
+    from safepoint.cli_catalog import retention_spec
+    from safepoint.config import load_config
+    from safepoint.prune import prune
+    from safepoint.retention import policy_from_spec
+
+    if (args.run is None) == (not args.all_runs):
+        raise UsageError("give --run R (repeatable) or --all-runs")
+    cat, config, now = _catalog(args), load_config(), datetime.now(timezone.utc)
+    docs, errors = [], 0
+    for run in (cat.runs() if args.all_runs else args.run):
+        policy = policy_from_spec(retention_spec(args, config, run))
+        res = prune(cat, [run], policy, now=now, min_replicas=args.min_replicas, dry_run=args.dry_run, config=config)
+        errors += len(res.errors)
+        docs.append({"run": run, "policy": repr(policy), "dry_run": args.dry_run, "plan": res.plan.to_rows(),
+                     "pruned": [s for _r, s in res.pruned], "skipped": [s for _r, s in res.skipped],
+                     "errors": res.errors})
+        if args.json:
+            continue
+        for d in res.plan.decisions:
+            c = d.checkpoint
+            verb = "keep  " if d.keep else ("would delete" if args.dry_run else "delete")
+            out.print(f"{verb} {c.run}/{c.step} ({c.state}): {'; '.join(d.reasons)}")
+        if not args.dry_run:
+            out.print(f"{run}: pruned {len(res.pruned)} checkpoint(s)"
+                      + (f", {len(res.skipped)} kept after re-checking the catalog" if res.skipped else ""))
+        for e in res.errors:
+            err.print(f"could not delete {e} (the next prune retries)")
+    if args.json:
+        print(json.dumps(docs, indent=1))
+    return EXIT_ERROR if errors else EXIT_OK
 
 
 def cmd_demo(args) -> int:
@@ -249,10 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("resume-point", help="the checkpoint to resume from")
     s.add_argument("--run", required=True)
-    s.add_argument("--min-replicas", type=int, default=1)
-    s.add_argument("--max-step", type=int)
-    s.add_argument("--explain", action="store_true")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--min-replicas", type=int, default=1, help="verified durable replicas required (default 1)")
+    s.add_argument("--max-step", type=int, help="only checkpoints at or below this step")
+    s.add_argument("--before", metavar="TIME", help="only checkpoints created before TIME (ISO 8601, or 2h/3d ago)")
+    s.add_argument("--tag", help="only checkpoints with this tag")
+    s.add_argument("--explain", action="store_true", help="say why each newer checkpoint was passed over")
+    s.add_argument("--json", action="store_true", help="JSON with the URL of every verified replica")
     s.set_defaults(fn=cmd_resume_point)
 
     s = sub.add_parser("verify", help="re-hash a replica or local snapshot against its manifest")
@@ -263,10 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("url")
     s.set_defaults(fn=cmd_validate)
 
-    s = sub.add_parser("prune", help="apply retention")
-    s.add_argument("--run", required=True)
-    s.add_argument("--keep-last", type=int, required=True)
-    s.add_argument("--dry-run", action="store_true")
+    s = sub.add_parser("prune", help="apply retention (invariants: the newest verified and at least two "
+                       "verified are kept; nothing goes while a newer checkpoint is pending)")
+    s.add_argument("--run", action="append", help="run to prune (repeatable)")
+    s.add_argument("--all-runs", action="store_true")
+    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest verified")
+    s.add_argument("--keep-every", type=int, metavar="STEPS", help="keep the first verified of every STEPS steps")
+    s.add_argument("--keep-within", metavar="DURATION", help="keep everything created within e.g. 12h, 7d")
+    s.add_argument("--keep-tagged", nargs="*", metavar="TAG", help="keep tagged checkpoints (any tag, or these)")
+    s.add_argument("--keep-best", metavar="METRIC:N[:min|max]", help="keep the N best by a recorded metric")
+    s.add_argument("--min-replicas", type=int, default=1, help="verified replicas a checkpoint needs to count")
+    s.add_argument("--dry-run", action="store_true", help="print the plan, with a reason for every keep")
+    s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_prune)
 
     s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")

@@ -13,6 +13,7 @@ from alembic.script import ScriptDirectory
 from catalog import db
 from catalog.models import Base
 
+HEAD = "0002_declared_parent"
 TABLES = {"runs", "checkpoints", "checkpoint_files", "checkpoint_ranks", "replicas", "validations",
           "tensor_stats", "events", "leases"}
 
@@ -29,7 +30,7 @@ def _revision(engine) -> str | None:
 
 def test_single_head():
     script = ScriptDirectory.from_config(db.alembic_config())
-    assert script.get_heads() == ["0001_initial"]
+    assert script.get_heads() == [HEAD]
 
 
 def test_upgrade_downgrade_upgrade(catalog_url):
@@ -38,7 +39,7 @@ def test_upgrade_downgrade_upgrade(catalog_url):
         assert _tables(eng) == set()
         db.upgrade(eng)
         assert TABLES <= _tables(eng)
-        assert _revision(eng) == "0001_initial"
+        assert _revision(eng) == HEAD
         db.upgrade(eng)  # idempotent
         db.downgrade(eng, "base")
         assert _tables(eng) - {"alembic_version"} == set()
@@ -123,7 +124,7 @@ def test_concurrent_upgrade(catalog_url):
     assert [p.exitcode for p in procs] == [0] * n
     eng = db.make_engine(catalog_url)
     try:
-        assert _revision(eng) == "0001_initial"
+        assert _revision(eng) == HEAD
         assert TABLES <= _tables(eng)
     finally:
         eng.dispose()
@@ -139,3 +140,35 @@ def test_open_catalog_upgrades_once(catalog_url, rev, monkeypatch):
     open_catalog(catalog_url)
     open_catalog(catalog_url)
     assert calls == [rev]
+
+
+def _columns(engine, table: str) -> set[str]:
+    with engine.connect() as c:
+        return {col["name"] for col in sa.inspect(c).get_columns(table)}
+
+
+def test_0002_backfills_declared_parent_and_downgrades(catalog_url):
+    """Rows written under 0001 (lineage only as parent_id) get parent_run/parent_step on upgrade."""
+    eng = db.make_engine(catalog_url)
+    try:
+        db.upgrade(eng, "0001_initial")
+        assert "parent_run" not in _columns(eng, "checkpoints")
+        with eng.begin() as c:
+            c.execute(sa.text("INSERT INTO runs (id, name, created_at) VALUES (1, 'base', :t), (2, 'ft', :t)"),
+                      {"t": "2026-01-01 00:00:00"})
+            ins = sa.text("INSERT INTO checkpoints (id, run_id, step, state, created_at, updated_at, "
+                          "state_changed_at, parent_id, tags, metrics) VALUES "
+                          "(:id, :run, :step, 'verified', :t, :t, :t, :parent, '[]', '{}')")
+            for row in ({"id": 1, "run": 1, "step": 100, "parent": None}, {"id": 2, "run": 2, "step": 5, "parent": 1},
+                        {"id": 3, "run": 2, "step": 10, "parent": 2}):
+                c.execute(ins, {**row, "t": "2026-01-01 00:00:00"})
+        db.upgrade(eng)
+        with eng.connect() as c:
+            got = c.execute(sa.text("SELECT id, parent_run, parent_step FROM checkpoints ORDER BY id")).all()
+        assert [tuple(r) for r in got] == [(1, None, None), (2, "base", 100), (3, "ft", 5)]
+        db.downgrade(eng, "0001_initial")
+        assert "parent_run" not in _columns(eng, "checkpoints")
+        with eng.connect() as c:  # the downgrade dropped columns, not rows
+            assert c.execute(sa.text("SELECT count(*) FROM checkpoints")).scalar() == 3
+    finally:
+        eng.dispose()
