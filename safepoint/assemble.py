@@ -175,12 +175,13 @@ class TimeoutAction:
 
 
 def apply_timeouts(catalog: Catalog, config: Config | None = None, *, now: datetime | None = None,
-                   run: str | None = None) -> list[TimeoutAction]:
+                   run: str | None = None, assemble: bool = True) -> list[TimeoutAction]:
     """The periodic check: assemble complete sets nobody finished, give up on sets past their timeout.
 
     A set with ranks missing past `timeout` (from its first delivery) becomes `incomplete`. A set
     whose ranks are all registered but that no destination could assemble within `timeout` of its
-    *last* delivery (a part never finished replicating) becomes `incomplete` as well.
+    *last* delivery (a part never finished replicating) becomes `incomplete` as well. With
+    `assemble=False` (watchers: cheap, no I/O at destinations) only missing ranks are timed out.
     """
     config = config or Config()
     now = now or _now()
@@ -197,7 +198,7 @@ def apply_timeouts(catalog: Catalog, config: Config | None = None, *, now: datet
                                   detail={"missing_ranks": list(a.missing), "timeout_s": timeout.total_seconds()}):
                 actions.append(TimeoutAction(row.id, row.run, row.step, CS.INCOMPLETE, a))
             continue
-        if not a.complete:
+        if not a.complete or not assemble:
             continue
         urls = [r.destination for r in catalog.replicas(row.id)]
         settled = try_assemble(catalog, row.id, urls, config, now=now) if urls else Settled(row.state)

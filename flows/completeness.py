@@ -1,0 +1,34 @@
+"""The periodic completeness check of multi-node checkpoints (safepoint.assemble.apply_timeouts).
+
+Deployed on an interval (prefect.yaml `completeness`, `safepoint serve`). It never waits: it marks
+sets that stayed partial past `[multinode] timeout_s` as `incomplete`, and assembles and validates
+a complete set whose last ingest died before doing so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from catalog.store import open_catalog
+from safepoint import assemble
+from safepoint.config import load_config
+from tasks import ingest as t
+
+
+@flow(name="safepoint-completeness")
+def check_completeness(run: str | None = None, catalog_url: str | None = None) -> list[dict[str, Any]]:
+    logger = get_run_logger()
+    config = load_config()
+    catalog_url = catalog_url or config.catalog_url
+    actions = t.apply_timeouts(catalog_url, config, run)
+    out = []
+    for a in actions:
+        logger.info("%s/%s -> %s: %s", a.run, a.step, a.state, a.assessment.summary())
+        state = a.state
+        if a.validate:
+            with assemble.assembled_snapshot(open_catalog(catalog_url), a.checkpoint_id, config) as merged:
+                state = t.validate(catalog_url, a.checkpoint_id, merged, config.run_setting(a.run, "model"))
+        out.append({"run": a.run, "step": a.step, "state": str(state), "missing_ranks": list(a.assessment.missing)})
+    return out
