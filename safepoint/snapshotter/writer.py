@@ -47,7 +47,8 @@ class SaveStats:
     backpressure_s: float = 0.0    # of the stall, waiting for the writer to return a buffer
     guard_wait_s: float = 0.0      # of that, waiting because the memory floor refused to grow the pool
     deferred: bool = False         # the whole state fit in free buffers: the writer started after staging
-    write_s: float = 0.0           # writer: first chunk to file durable (drain rate = bytes / write_s)
+    drain_s: float = 0.0           # writer: first chunk to every buffer written and hashed (drain rate = bytes/drain_s)
+    write_s: float = 0.0           # writer: first chunk to file durable (fsync and rename included)
     commit_s: float = 0.0          # rendezvous and commit
     to_committed_s: float = 0.0    # save() call to committed (or, on other ranks, to the marker seen)
     pool_high_water: int = 0       # bytes of buffers in use at most, since the pool was created
@@ -240,6 +241,7 @@ class Writer:
         try:
             if not job.failed:
                 wait_futures(job.futures)
+                job.stats.drain_s = time.perf_counter() - (job.started or time.perf_counter())
             if not job.failed and job.offset != job.layout.total_bytes:
                 job.fail(SnapshotError(f"staged {job.offset} bytes, expected {job.layout.total_bytes}"))
             if job.failed:
@@ -282,20 +284,25 @@ class Writer:
             self._open.pop(id(job), None)
         job.handle._resolve(manifest, error)
 
-    def _die(self, exc: BaseException) -> None:
-        self.dead = exc
-        err = SnapshotError(f"the snapshot writer thread died: {exc!r}; nothing was committed")
-        err.__cause__ = exc
-        while True:  # return every queued buffer, so staging never waits for one that cannot come
+    def _drain_queue(self) -> None:
+        """Return every queued buffer, so staging never waits for one that cannot come back."""
+        while True:
             try:
                 msg = self._q.get_nowait()
             except queue.Empty:
-                break
+                return
             if msg is not None and msg[0] == CHUNK:
                 self._discard(msg[2])
+
+    def _die(self, exc: BaseException) -> None:
+        err = SnapshotError(f"the snapshot writer thread died: {exc!r}; nothing was committed")
+        err.__cause__ = exc
+        self._drain_queue()
         with self._jobs_lock:
             jobs = list(self._open.values())
-        for job in jobs:
+        for job in jobs:  # clean up first, so whoever sees the writer dead also sees nothing left behind
             job.fail(err)
             self._cleanup(job)
             self._finish(job, None, err)
+        self.dead = exc
+        self._drain_queue()
