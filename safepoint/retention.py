@@ -5,7 +5,7 @@ keep it or None (like Orbax's preservation policies, plus a reason). `plan()` co
 with invariants that no policy can override:
 
 1. the newest verified checkpoint is never deleted;
-2. at least two verified checkpoints are kept while two exist;
+2. at least two verified checkpoints are kept while two exist (here: the two newest good ones);
 3. nothing is deleted while a newer checkpoint is still pending validation;
 4. a checkpoint whose replica is corrupt or missing is never counted as a kept good one
    (so invariants 1 and 2 keep more, older, good ones instead);
@@ -251,20 +251,20 @@ def _plan_run(live: list[Any], policy: Policy, ctx: Context) -> list[Decision]:
     if good and good[-1] != (verified[-1] if verified else None):
         reasons[good[-1]].append(INV + "newest verified with intact replicas")
 
-    # At least two verified kept while two exist: count good ones first (a checkpoint with a
-    # corrupt or missing replica does not count), then fall back to verified ones.
-    def top_up(indices: list[int], need: int, why: str) -> None:
-        have = sum(1 for i in indices if reasons[i])
-        for i in reversed(indices):
-            if have >= need:
-                return
-            if not reasons[i]:
-                reasons[i].append(why)
-                have += 1
-
-    top_up(good, min(2, len(good)), INV + "at least two verified checkpoints are kept")
-    top_up(verified, min(2, len(verified)), INV + "at least two verified checkpoints are kept "
-           "(fewer than two have intact replicas)")
+    # At least two verified kept while two exist, and the strongest reading of it: the two newest
+    # good ones (a checkpoint with a corrupt or missing replica does not count), so a fallback
+    # close to the newest always exists. With fewer than two good, verified ones fill in.
+    two = INV + "one of the two newest verified checkpoints"
+    for i in good[-2:]:
+        if not reasons[i]:
+            reasons[i].append(two)
+    have = sum(1 for i in verified if reasons[i])
+    for i in reversed(verified):
+        if have >= min(2, len(verified)):
+            break
+        if not reasons[i]:
+            reasons[i].append(two + " (fewer than two have intact replicas)")
+            have += 1
     return [Decision(c, bool(r), tuple(r) if r else ("not kept by any policy",)) for c, r in zip(live, reasons)]
 
 
