@@ -6,7 +6,6 @@ them directly. Every step records its outcome in the catalog.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,21 +103,34 @@ def settle_replication(catalog: Catalog, checkpoint_id: int, results: list[Repli
 
 def validate_checkpoint(
     catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, *, model: str | None = None,
-    options: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None, config: Config | None = None,
 ) -> CS:
-    """Dry-run load of the (verified) local bytes; record the report and the final state."""
-    from safepoint.validate import validate_snapshot
+    """Dry-run load of the (verified) local bytes; record the report, the tensor stats and the final state.
 
+    Settings come from `[validation]` and `[runs.RUN]` of `config` (default: the config file);
+    `model` (--model, the flow parameter) overrides the run's factory. The numerical audit compares
+    with the newest verified checkpoint of the run before this step. A model factory that cannot be
+    built raises HarnessError (a UsageError) before the checkpoint changes state.
+    """
+    from datetime import datetime, timezone
+
+    from safepoint.audit import baseline_from_catalog, stat_rows
+    from safepoint.config import load_config
+    from safepoint.harness import build_harness
+    from safepoint.validate import validate_snapshot
+    from safepoint.validation_settings import ValidationSettings
+
+    m = snap.manifest
+    settings = ValidationSettings.from_config(config or load_config(), m.run, model=model)
+    harness = build_harness(settings.model, settings.device) if settings.model else None
     if not catalog.transition(checkpoint_id, CS.VALIDATING, expect={CS.REPLICATED, CS.VERIFIED}):
         return catalog.get_by_id(checkpoint_id).state
-    kwargs: dict[str, Any] = {}
-    if model:
-        kwargs["model"] = model
-    if options:
-        kwargs.update(options)
-    report = validate_snapshot(snap.root, [f.path for f in snap.manifest.files], **kwargs)
-    stats = [dataclasses.asdict(s) for s in report.stats]
-    catalog.record_validation(checkpoint_id, report.ok, report.summary(), report.to_dict(), stats)
+    started = datetime.now(timezone.utc)
+    baseline = baseline_from_catalog(catalog, m.run, m.step)
+    report = validate_snapshot(snap.root, [f.path for f in m.files], model=harness, settings=settings, step=m.step,
+                               baseline=baseline, **(options or {}))
+    catalog.record_validation(checkpoint_id, report.ok, report.summary(), report.to_dict(), stat_rows(report.stats),
+                              started_at=started)
     state = {"verified": CS.VERIFIED, "incomplete": CS.INCOMPLETE}.get(str(report.outcome), CS.INVALID)
     catalog.transition(checkpoint_id, state, expect={CS.VALIDATING},
                        error=None if state is CS.VERIFIED else report.summary())
@@ -147,7 +159,8 @@ def ingest(folder: str | Path, destinations: list[str], catalog: Catalog, config
     results = [replicate_to(catalog, row.id, snap, url, config) for url in destinations]
     state = settle_replication(catalog, row.id, results)
     if state is CS.REPLICATED:
-        validate_checkpoint(catalog, row.id, snap, model=model or config.run_setting(snap.manifest.run, "model"))
+        validate_checkpoint(catalog, row.id, snap, model=model or config.run_setting(snap.manifest.run, "model"),
+                            config=config)
     return outcome(catalog, row.id)
 
 

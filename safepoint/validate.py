@@ -1,28 +1,39 @@
 """Dry-run load validation of a snapshot folder: every tensor loads, safely, with bounded memory.
 
-`validate_snapshot(folder)` loads every checkpoint file of a snapshot the safe way (torch.save files
-with the weights-only unpickler, safetensors after checking the header, DCP folders with a restricted
-metadata unpickler and no process group), walks every tensor (model and optimizer state) and
-computes NaN/Inf counts, the L2 norm and max |x| in chunks. Results are data (ValidationReport),
-never exceptions: a file that cannot be loaded is a finding, not a crash.
+`validate_snapshot(folder)` reads every checkpoint file of a snapshot the safe way (torch.save files
+with the weights-only unpickler, memory-mapped; safetensors after checking the header; DCP folders
+with a restricted metadata unpickler and no process group) and streams every tensor, model and
+optimizer state alike, piece by piece through the numerical audit (safepoint.audit: NaN/Inf, L2
+norm, max |x|). Peak memory is one piece per tensor, not one file: read pages are released as soon
+as they are used. Each byte is read once; hashing is the replicator's job, not repeated here.
 
-Extension points: `iter_file_tensors(path)` (safepoint.loaders) gives (name, tensor) for any
-supported file; `iter_tensors(obj)` walks a loaded object; `tensor_stat(name, t)` computes stats.
+On top of what loading alone catches, validation can run:
+- a strict dry-run load against the user's model factory (safepoint.harness): missing, unexpected
+  and renamed keys, shape and dtype mismatches, optimizer state vs parameter groups, recorded step
+  vs the catalog's step;
+- a norm-jump audit against the previous verified checkpoint of the run (`baseline`).
+
+Results are data (ValidationReport), never exceptions: a file that cannot be loaded is a finding,
+not a crash. Only a model factory that cannot be built raises (HarnessError: a usage error, not a
+verdict on the checkpoint). Problems listed in `warn_only` are reported as warnings.
+
+Extension points: `iter_file_leaves(path)` / `iter_file_tensors(path)` (safepoint.loaders) give the
+leaves or tensors of any supported file; `tensor_stat(name, t)` computes stats of one tensor.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from safepoint.audit import Baseline, TensorStat, norm_jumps, stat_of, tensor_stat
 from safepoint.errors import FormatError
 from safepoint.format import CONTROL_FILES, TMP_PREFIX, safe_relpath
+from safepoint.harness import Found, Harness, TensorSpec, build_harness, check
 from safepoint.loaders import (
     SAFETENSORS,
     TORCH,
@@ -30,39 +41,24 @@ from safepoint.loaders import (
     Limits,
     LoadError,
     Problem,
+    TensorSource,
     detect_format,
+    iter_file_leaves,
     iter_file_tensors,
     iter_tensors,
     one_line,
 )
 from safepoint.loaders.dcp import DCP_SUFFIX, METADATA_NAME
+from safepoint.validation_settings import ValidationSettings
 
 __all__ = [
-    "Finding", "Limits", "LoadError", "Problem", "TensorStat", "ValidationReport", "iter_file_tensors",
-    "iter_tensors", "tensor_stat", "validate_snapshot",
+    "Finding", "Limits", "LoadError", "Problem", "TensorStat", "ValidationReport", "ValidationSettings",
+    "iter_file_tensors", "iter_tensors", "tensor_stat", "validate_snapshot",
 ]
 
 FILE_OK, FILE_INVALID, FILE_SKIPPED, FILE_MISSING = "ok", "invalid", "skipped", "missing"
-
-
-@dataclass(frozen=True)
-class TensorStat:
-    """Stats of one tensor. norm and max_abs cover the finite values only (NaN/Inf are counted apart)."""
-
-    name: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    norm: float | None
-    max_abs: float | None
-    nan_count: int
-    inf_count: int
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
+# Plain values kept for the harness (param groups, step): small ones only.
+_MAX_VALUE_ITEMS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -80,7 +76,9 @@ class Finding:
 class ValidationReport:
     files: dict[str, str] = field(default_factory=dict)   # path -> ok | invalid | skipped | missing
     stats: list[TensorStat] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)   # failing: the checkpoint is not verified
+    warnings: list[Finding] = field(default_factory=list)   # flagged but not failing (warn_only)
+    checks: dict[str, Any] = field(default_factory=dict)    # what was compared: harness, audit
 
     @property
     def ok(self) -> bool:
@@ -101,6 +99,8 @@ class ValidationReport:
             counts[status] = counts.get(status, 0) + 1
         head = (f"{self.outcome}: {len(self.files)} files ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
                 f"{len(self.stats)} tensors")
+        if self.warnings:
+            head += f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}"
         if not self.findings:
             return head
         shown = "; ".join(f.message for f in self.findings[:3])
@@ -115,78 +115,21 @@ class ValidationReport:
             "summary": self.summary(),
             "files": dict(sorted(self.files.items())),
             "tensors": len(self.stats),
+            "bytes_checked": sum(_nbytes(s) for s in self.stats),
             "findings": [f.to_dict() for f in self.findings],
+            "warnings": [f.to_dict() for f in self.warnings],
+            "checks": self.checks,
         }
         if include_stats:
             d["stats"] = [s.to_dict() for s in self.stats]
         return d
 
 
-# ---------------------------------------------------------------------------------------------- stats
+def _nbytes(s: TensorStat) -> int:
+    import torch
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _chunks(t: torch.Tensor, chunk_elems: int) -> Iterator[torch.Tensor]:
-    """Flat pieces of `t` of about chunk_elems elements; copies at most one piece at a time."""
-    if t.numel() == 0:
-        return
-    if t.dim() == 0:
-        yield t.reshape(1)
-        return
-    if t.is_contiguous():
-        flat = t.view(-1)
-        for i in range(0, flat.numel(), chunk_elems):
-            yield flat[i: i + chunk_elems]
-        return
-    row = max(1, t.numel() // t.shape[0])
-    rows = max(1, chunk_elems // row)
-    for i in range(0, t.shape[0], rows):
-        yield from _chunks(t[i: i + rows].contiguous(), chunk_elems)
-
-
-def tensor_stat(
-    name: str, t: torch.Tensor, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems,
-) -> TensorStat:
-    """NaN/Inf counts, L2 norm (float64) and max |x| of a tensor, computed chunk by chunk.
-
-    Floating and complex tensors (bf16, fp16, fp8 are upcast per chunk) count NaN/Inf; integer and
-    bool tensors have none. norm and max_abs cover finite values; they are None for layouts or
-    dtypes the stats cannot read (e.g. quantized).
-    """
-    shape = tuple(int(d) for d in t.shape)
-    numel = math.prod(shape)
-    base = dict(name=name, file=file, dtype=_dtype_name(t.dtype), shape=shape, numel=numel)
-    t = t.detach()
-    try:
-        if t.layout == torch.sparse_coo:
-            t = t._values()
-        elif t.layout != torch.strided or t.is_quantized:
-            raise TypeError(f"unsupported layout {t.layout}")
-        floating = t.is_floating_point() or t.is_complex()
-        sumsq, max_abs, nans, infs = 0.0, 0.0, 0, 0
-        for c in _chunks(t, max(1, chunk_elems)):
-            if c.is_complex():
-                c = torch.view_as_real(c).reshape(-1)  # real and imaginary parts, counted apart
-            # float64 stays float64; everything else is upcast to float32 (exact for 16/8-bit floats),
-            # and the sum of squares is accumulated in float64.
-            if c.dtype != torch.float64:
-                c = c.to(torch.float32) if floating else c.to(torch.float64)
-            if floating:
-                finite = torch.isfinite(c)
-                if not bool(finite.all()):
-                    n_nan = int(torch.isnan(c).sum())
-                    nans += n_nan
-                    infs += int(c.numel() - int(finite.sum())) - n_nan
-                    c = c.masked_fill(~finite, 0.0)
-                del finite
-            sumsq += float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
-            max_abs = max(max_abs, float(c.abs().max()))
-            del c
-        return TensorStat(**base, norm=math.sqrt(sumsq), max_abs=max_abs, nan_count=nans, inf_count=infs)
-    except Exception:
-        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0)
+    dtype = getattr(torch, s.dtype, None)
+    return s.numel * dtype.itemsize if isinstance(dtype, torch.dtype) else 0
 
 
 # ------------------------------------------------------------------------------------------ walking
@@ -209,14 +152,33 @@ def _walk_folder(folder: Path) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(unsafe)
 
 
+def _small_value(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return not isinstance(v, str) or len(v) <= 4096
+    if isinstance(v, (list, tuple)):
+        return len(v) <= _MAX_VALUE_ITEMS and all(x is None or isinstance(x, (bool, int, float, str)) for x in v)
+    return False
+
+
 class _Validator:
-    def __init__(self, folder: Path, limits: Limits) -> None:
+    def __init__(self, folder: Path, settings: ValidationSettings) -> None:
         self.folder = folder
-        self.limits = limits
+        self.settings = settings
+        self.limits = settings.limits
         self.report = ValidationReport()
+        self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
 
     def find(self, file: str, problem: Problem, message: str, tensor: str | None = None) -> None:
         self.report.findings.append(Finding(file, tensor, problem, message))
+
+    def flag(self, file: str, problem: Problem, message: str, tensor: str | None = None) -> None:
+        """A harness or audit flag: failing, or a warning when the settings say so."""
+        if self.settings.failing(problem):
+            self.find(file, problem, message, tensor)
+            if file in self.report.files:
+                self.status(file, FILE_INVALID)
+        else:
+            self.report.warnings.append(Finding(file, tensor, problem, message))
 
     def status(self, file: str, status: str) -> None:
         # missing and invalid win over ok/skipped
@@ -225,11 +187,28 @@ class _Validator:
         if old is None or rank[status] > rank[old]:
             self.report.files[file] = status
 
-    def add_stats(self, file: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, t in tensors:
-            st = tensor_stat(name, t, file=file, chunk_elems=self.limits.stats_chunk_elems)
-            del t
+    def add_leaves(self, file: str, leaves: Iterable[tuple[str, Any]], on_problem: Any) -> None:
+        """Stream every tensor through the audit; keep small plain values. A tensor that fails to
+        read is reported through on_problem (its file may differ, e.g. a DCP rank file)."""
+        for name, leaf in leaves:
+            if not isinstance(leaf, TensorSource):
+                if _small_value(leaf):
+                    self.values[name] = leaf
+                continue
+            try:
+                st = stat_of(name, leaf, file=file, chunk_elems=self.limits.stats_chunk_elems)
+            except LoadError as e:
+                e.tensor = e.tensor or name
+                on_problem(e)
+                continue
+            except OSError as e:
+                on_problem(LoadError(Problem.UNLOADABLE, f"{name}: {one_line(e)}", tensor=name))
+                continue
+            finally:
+                del leaf
             self.report.stats.append(st)
+            if st.value is not None:
+                self.values.setdefault(name, st.value)
             if st.nan_count:
                 self.find(file, Problem.NAN, f"{name}: {st.nan_count} NaN values", name)
             if st.inf_count:
@@ -286,7 +265,7 @@ class _Validator:
             return
         errors: list[LoadError] = []
         try:
-            self.add_stats(rel, iter_file_tensors(path, limits=self.limits, on_problem=errors.append))
+            self.add_leaves(rel, iter_file_leaves(path, limits=self.limits, on_problem=errors.append), errors.append)
         except LoadError as e:
             errors.append(e)
         except Exception as e:  # a loader bug or an unexpected library error: still data
@@ -329,25 +308,83 @@ class _Validator:
             self.find(file, e.problem, e.message, e.tensor)
 
         try:
-            self.add_stats(meta_rel, ckpt.iter_tensors(on_problem))
+            self.add_leaves(meta_rel, ckpt.iter_leaves(on_problem), on_problem)
         except LoadError as e:
             on_problem(e)
         except Exception as e:
             on_problem(LoadError(Problem.UNLOADABLE, one_line(e)))
         return claimed
 
+    # -- after every tensor was read ---------------------------------------------------------
+
+    def found(self) -> tuple[Found, dict[str, str]]:
+        tensors: dict[str, TensorSpec] = {}
+        origin: dict[str, str] = {}
+        dup: dict[str, list[str]] = {}
+        for s in self.report.stats:
+            if s.name in origin and origin[s.name] != s.file:
+                dup.setdefault(s.name, [origin[s.name]]).append(s.file)
+                continue
+            tensors[s.name] = TensorSpec(tuple(s.shape), s.dtype)
+            origin[s.name] = s.file
+        return Found(tensors, dict(self.values), dup), origin
+
+    def run_harness(self, harness: Harness, step: int | None) -> None:
+        found, origin = self.found()
+        s = self.settings
+        result = check(harness, found, step=step, model_key=s.model_key, optimizer_key=s.optimizer_key,
+                       step_key=s.step_key, check_step_=s.check_step)
+        self.report.checks["harness"] = result.info
+        main = max(set(origin.values()), key=list(origin.values()).count) if origin else "."
+        for issue in result.issues:
+            self.flag(origin.get(issue.tensor or "", main), issue.problem, issue.message, issue.tensor)
+
+    def run_audit(self, baseline: Baseline) -> None:
+        t = self.settings.thresholds
+        jumps, compared = norm_jumps(self.report.stats, baseline, t)
+        self.report.checks["audit"] = {"against": baseline.label, "compared": compared,
+                                       "norm_jump_factor": t.norm_jump_factor, "flagged": len(jumps)}
+        for j in jumps:
+            self.flag(j.file, Problem.NORM_JUMP, j.message(baseline.label, t.norm_jump_factor or 0), j.name)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with n torch intra-op threads (0: unchanged), restoring the previous count after."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n and n != before:
+            torch.set_num_threads(before)
+
 
 def validate_snapshot(
-    folder: str | os.PathLike, files: Iterable[str] | None = None, *, limits: Limits = Limits(),
+    folder: str | os.PathLike, files: Iterable[str] | None = None, *, limits: Limits | None = None,
+    model: str | Harness | None = None, settings: ValidationSettings | None = None, step: int | None = None,
+    baseline: Baseline | None = None,
 ) -> ValidationReport:
     """Dry-run load every checkpoint file of a snapshot folder; return a report (never raises for bad data).
 
     files: the data files' relative paths (from the manifest); None walks the folder, skipping
     MANIFEST.json, COMMITTED and temporary files. DCP tensors are reported under the `.metadata`
     path as their file.
+    model: a factory spec `package.module:function` (or a built Harness) for the strict dry-run
+    load; it overrides settings.model. step: the catalog's step, checked against the checkpoint's.
+    baseline: stats of the previous verified checkpoint, for the norm-jump audit.
+    Raises HarnessError (a UsageError) when the model factory cannot be built.
     """
+    settings = settings or ValidationSettings()
+    if limits is not None:
+        settings = replace(settings, limits=limits)
+    spec = model if model is not None else settings.model
+    harness = build_harness(spec, settings.device) if isinstance(spec, str) else spec
     root = Path(folder)
-    v = _Validator(root, limits)
+    v = _Validator(root, settings)
     if not root.is_dir():
         v.find(".", Problem.MISSING, f"{os.fspath(folder)}: snapshot folder missing")
         return v.report
@@ -358,4 +395,12 @@ def validate_snapshot(
             v.find(rel, Problem.UNSAFE, f"{rel}: symbolic link (snapshots hold regular files only)")
     else:
         file_list = sorted(dict.fromkeys(files))
-    return v.run(file_list)
+    with torch_threads(settings.threads):
+        v.run(file_list)
+    unreadable = any(f.problem in (Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING)
+                     for f in v.report.findings)
+    if harness is not None and not unreadable:
+        v.run_harness(harness, step)
+    if baseline is not None and not unreadable:
+        v.run_audit(baseline)
+    return v.report

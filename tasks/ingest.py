@@ -108,4 +108,36 @@ def record_done(catalog_url: str | None, checkpoint_id: int, detail: dict[str, A
 
 @task(name="validate")
 def validate(catalog_url: str | None, checkpoint_id: int, snap: LocalSnapshot, model: str | None) -> CheckpointState:
-    return pipeline.validate_checkpoint(open_catalog(catalog_url), checkpoint_id, snap, model=model)
+    """Dry-run load validation, then the validation report as Prefect artifacts (markdown and a table)."""
+    catalog = open_catalog(catalog_url)
+    state = pipeline.validate_checkpoint(catalog, checkpoint_id, snap, model=model)
+    publish_validation_report(catalog, checkpoint_id)
+    return state
+
+
+def publish_validation_report(catalog: Catalog, checkpoint_id: int) -> None:
+    """The stored report as a markdown artifact and a per-tensor table artifact, readable in the Prefect UI.
+
+    An artifact that cannot be created (no API reachable) is logged, never fatal: the report is
+    already in the catalog (`safepoint show RUN STEP`).
+    """
+    import logging
+
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from safepoint import validation_report as vr
+
+    row = catalog.get_by_id(checkpoint_id)
+    v = catalog.latest_validation(checkpoint_id)
+    if row is None or v is None:
+        return
+    stats = catalog.tensor_stats(v.id)
+    try:
+        create_markdown_artifact(key=vr.artifact_key("validation", row.run, row.step),
+                                 markdown=vr.markdown(row.run, row.step, str(row.state), v.report, stats),
+                                 description=f"Safepoint validation of {row.run}/{row.step}: {row.state}")
+        create_table_artifact(key=vr.artifact_key("validation-tensors", row.run, row.step),
+                              table=vr.tensor_rows(v.report, stats),
+                              description=f"Tensors of {row.run}/{row.step}: verdict and stats (flagged first)")
+    except Exception as e:  # noqa: BLE001 - artifacts are a view; the catalog holds the report
+        logging.getLogger("safepoint").warning("validation artifacts for %s/%s not created: %s", row.run, row.step, e)

@@ -3,6 +3,10 @@
 Formats: torch.save files (weights-only unpickler), safetensors (header checked first), DCP folders
 (restricted metadata unpickler, chunks read directly). Every loader raises LoadError for a fatal
 problem and passes non-fatal ones (one tensor, one referenced file) to `on_problem`.
+
+`iter_file_leaves(path)` is the streaming form validation uses: (name, TensorSource or plain value)
+per leaf, where a TensorSource is read piece by piece when asked (bounded memory), and names follow
+DCP's flattening (`optimizer.param_groups.0.params`) whatever the format.
 """
 
 from __future__ import annotations
@@ -10,21 +14,36 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from safepoint.loaders.base import (
     Limits,
+    LoadedTensor,
     LoadError,
     OnProblem,
     Problem,
+    TensorSource,
+    iter_leaves,
     iter_tensors,
     one_line,
     raise_problem,
 )
 from safepoint.loaders.dcp import METADATA_NAME, DcpCheckpoint, is_dcp_folder, iter_dcp_tensors, read_metadata
-from safepoint.loaders.safetensors_file import is_safetensors_file, iter_safetensors_tensors, read_header
-from safepoint.loaders.torchsave import is_torch_file, iter_torch_tensors, load_torch, torch_load_safely
+from safepoint.loaders.safetensors_file import (
+    is_safetensors_file,
+    iter_safetensors_leaves,
+    iter_safetensors_tensors,
+    read_header,
+)
+from safepoint.loaders.torchsave import (
+    is_torch_file,
+    iter_torch_leaves,
+    iter_torch_tensors,
+    load_torch,
+    torch_load_safely,
+)
 
 TORCH = "torch"
 SAFETENSORS = "safetensors"
@@ -63,8 +82,27 @@ def iter_file_tensors(
         raise LoadError(Problem.UNLOADABLE, f"{os.fspath(path)}: not a recognized checkpoint format")
 
 
+def iter_file_leaves(
+    path: str | os.PathLike, *, limits: Limits = Limits(), on_problem: OnProblem = raise_problem,
+) -> Iterator[tuple[str, Any]]:
+    """Yield (dotted name, TensorSource or plain value) for every leaf of a checkpoint file or DCP folder.
+
+    Nothing is materialized: tensor data is read when a TensorSource's pieces are iterated.
+    Raises LoadError when the file cannot be validated at all, or when a format is not recognized.
+    """
+    fmt = detect_format(path)
+    if fmt == TORCH:
+        yield from iter_torch_leaves(path, limits)
+    elif fmt == SAFETENSORS:
+        yield from iter_safetensors_leaves(path, limits, on_problem)
+    elif fmt == DCP:
+        yield from DcpCheckpoint.open(path, limits).iter_leaves(on_problem)
+    else:
+        raise LoadError(Problem.UNLOADABLE, f"{os.fspath(path)}: not a recognized checkpoint format")
+
+
 __all__ = [
-    "DCP", "SAFETENSORS", "TORCH", "DcpCheckpoint", "Limits", "LoadError", "OnProblem", "Problem", "detect_format",
-    "iter_file_tensors", "iter_tensors", "load_torch", "one_line", "raise_problem", "read_header", "read_metadata",
-    "torch_load_safely",
+    "DCP", "SAFETENSORS", "TORCH", "DcpCheckpoint", "Limits", "LoadError", "LoadedTensor", "OnProblem", "Problem",
+    "TensorSource", "detect_format", "iter_file_leaves", "iter_file_tensors", "iter_leaves", "iter_tensors",
+    "load_torch", "one_line", "raise_problem", "read_header", "read_metadata", "torch_load_safely",
 ]

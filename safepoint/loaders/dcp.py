@@ -26,9 +26,12 @@ from safepoint.errors import FormatError
 from safepoint.format import safe_relpath
 from safepoint.loaders.base import (
     Limits,
+    LoadedTensor,
     LoadError,
     OnProblem,
     Problem,
+    TensorSource,
+    iter_leaves,
     iter_tensors,
     one_line,
     raise_problem,
@@ -218,32 +221,39 @@ class DcpCheckpoint:
                                           f"needs {end})", file=rel)
         return problems
 
-    def iter_tensors(self, on_problem: OnProblem = raise_problem) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (fqn, full tensor) per tensor entry, and the tensors inside non-tensor entries.
-
-        Problems with referenced files and with single entries go to on_problem; entries that need
-        a bad file are skipped.
-        """
+    def _entries(self, on_problem: OnProblem) -> Iterator[tuple[str, Any, list[Any]]]:
+        """(fqn, storage metadata, storage infos) per entry whose files are fine; problems go to on_problem."""
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
         bad_files = self.file_problems()
         for err in bad_files.values():
             on_problem(err)
         storage = self.metadata.storage_data
+        for fqn in sorted(self.metadata.state_dict_metadata):
+            item = self.metadata.state_dict_metadata[fqn]
+            if isinstance(item, TensorStorageMetadata):
+                idxs = [MetadataIndex(fqn, c.offsets) for c in item.chunks]
+            else:
+                idxs = [MetadataIndex(fqn)]
+            infos = [storage.get(i) for i in idxs]
+            if any(info is None for info in infos):
+                on_problem(LoadError(Problem.MALFORMED, f"{fqn}: no storage entry in DCP .metadata", tensor=fqn))
+                continue
+            if any(info.relative_path in bad_files for info in infos):
+                continue  # already reported once per file
+            yield fqn, item, infos
+
+    def iter_tensors(self, on_problem: OnProblem = raise_problem) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (fqn, full tensor) per tensor entry, and the tensors inside non-tensor entries.
+
+        Problems with referenced files and with single entries go to on_problem; entries that need
+        a bad file are skipped. Each tensor is reassembled to its global shape (memory: one tensor).
+        """
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         handles: dict[str, IO[bytes]] = {}
         try:
-            for fqn in sorted(self.metadata.state_dict_metadata):
-                item = self.metadata.state_dict_metadata[fqn]
-                if isinstance(item, TensorStorageMetadata):
-                    idxs = [MetadataIndex(fqn, c.offsets) for c in item.chunks]
-                else:
-                    idxs = [MetadataIndex(fqn)]
-                infos = [storage.get(i) for i in idxs]
-                if any(info is None for info in infos):
-                    on_problem(LoadError(Problem.MALFORMED, f"{fqn}: no storage entry in DCP .metadata", tensor=fqn))
-                    continue
-                if any(info.relative_path in bad_files for info in infos):
-                    continue  # already reported once per file
+            for fqn, item, infos in self._entries(on_problem):
                 try:
                     if isinstance(item, TensorStorageMetadata):
                         yield fqn, self._read_tensor(fqn, item, infos, handles)
@@ -256,8 +266,50 @@ class DcpCheckpoint:
                 except OSError as e:
                     on_problem(LoadError(Problem.UNLOADABLE, f"{fqn}: {one_line(e)}", tensor=fqn))
         finally:
-            for h in handles.values():
-                h.close()
+            _close(handles)
+
+    def iter_leaves(self, on_problem: OnProblem = raise_problem) -> Iterator[tuple[str, Any]]:
+        """(fqn, DcpTensor or plain value) per leaf, without reassembling anything.
+
+        A DcpTensor reads its chunks one at a time when its pieces are asked for (memory: one
+        chunk, i.e. one rank's shard); non-tensor entries are read and unpickled safely here.
+        """
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        handles: dict[str, IO[bytes]] = {}
+        try:
+            for fqn, item, infos in self._entries(on_problem):
+                if isinstance(item, TensorStorageMetadata):
+                    yield fqn, DcpTensor(self, fqn, item, infos, handles)
+                    continue
+                try:
+                    obj = self._read_bytes(fqn, infos[0], handles)
+                    leaves = list(iter_leaves(obj, fqn, max_nesting=self.limits.max_nesting))
+                except LoadError as e:
+                    e.tensor = e.tensor or fqn
+                    e.file = e.file or infos[0].relative_path
+                    on_problem(e)
+                    continue
+                except OSError as e:
+                    on_problem(LoadError(Problem.UNLOADABLE, f"{fqn}: {one_line(e)}", tensor=fqn,
+                                         file=infos[0].relative_path))
+                    continue
+                for name, leaf in leaves:
+                    yield name, (LoadedTensor(leaf) if isinstance(leaf, torch.Tensor) else leaf)
+        finally:
+            _close(handles)
+
+    def _chunk(self, fqn: str, item: Any, chunk: Any, info: Any, handles: dict[str, IO[bytes]]) -> torch.Tensor:
+        """One saved chunk of a tensor entry, checked against the metadata."""
+        part = self._load(fqn, info, self._stream(info, handles))
+        if not isinstance(part, torch.Tensor):
+            raise LoadError(Problem.MALFORMED, f"{fqn}: chunk holds {type(part).__name__}, not a tensor",
+                            file=info.relative_path, tensor=fqn)
+        dtype = item.properties.dtype
+        if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != dtype:
+            raise LoadError(Problem.MALFORMED, f"{fqn}: chunk is {part.dtype} {list(part.shape)}, metadata says "
+                            f"{dtype} {list(chunk.sizes)}", file=info.relative_path, tensor=fqn)
+        return part
 
     def _stream(self, info: Any, handles: dict[str, IO[bytes]]) -> IO[bytes]:
         f = handles.get(info.relative_path)
@@ -285,13 +337,7 @@ class DcpCheckpoint:
             raise LoadError(Problem.UNLOADABLE, f"{fqn}: {nbytes} bytes is over the max_tensor_bytes limit")
         out: torch.Tensor | None = None
         for chunk, info in zip(item.chunks, infos):
-            part = self._load(fqn, info, self._stream(info, handles))
-            if not isinstance(part, torch.Tensor):
-                raise LoadError(Problem.MALFORMED, f"{fqn}: chunk holds {type(part).__name__}, not a tensor",
-                                file=info.relative_path)
-            if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != dtype:
-                raise LoadError(Problem.MALFORMED, f"{fqn}: chunk is {part.dtype} {list(part.shape)}, metadata says "
-                                f"{dtype} {list(chunk.sizes)}", file=info.relative_path)
+            part = self._chunk(fqn, item, chunk, info, handles)
             if len(item.chunks) == 1 and tuple(chunk.sizes) == size:
                 return part
             if out is None:
@@ -319,6 +365,32 @@ class DcpCheckpoint:
                             file=info.relative_path, tensor=fqn) from None
 
 
+class DcpTensor(TensorSource):
+    """A tensor entry of a DCP checkpoint, streamed chunk by chunk (never reassembled)."""
+
+    def __init__(self, ckpt: DcpCheckpoint, fqn: str, item: Any, infos: list[Any],
+                 handles: dict[str, IO[bytes]]) -> None:
+        self.ckpt, self.fqn, self.item, self.infos, self._handles = ckpt, fqn, item, infos, handles
+        self.dtype = item.properties.dtype
+        self.shape = tuple(int(d) for d in item.size)
+
+    def pieces(self, max_elems: int) -> Iterator[torch.Tensor]:
+        for chunk, info in zip(self.item.chunks, self.infos):
+            try:
+                part = self.ckpt._chunk(self.fqn, self.item, chunk, info, self._handles)
+            except OSError as e:
+                raise LoadError(Problem.UNLOADABLE, f"{self.fqn}: {one_line(e)}", file=info.relative_path,
+                                tensor=self.fqn) from None
+            yield from LoadedTensor(part).pieces(max_elems)
+            del part
+
+
+def _close(handles: dict[str, IO[bytes]]) -> None:
+    for h in handles.values():
+        h.close()
+    handles.clear()
+
+
 def is_dcp_folder(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, METADATA_NAME))
 
@@ -329,4 +401,6 @@ def iter_dcp_tensors(
     yield from DcpCheckpoint.open(folder, limits).iter_tensors(on_problem)
 
 
-__all__ = ["DCP_SUFFIX", "METADATA_NAME", "DcpCheckpoint", "is_dcp_folder", "iter_dcp_tensors", "read_metadata"]
+__all__ = [
+    "DCP_SUFFIX", "METADATA_NAME", "DcpCheckpoint", "DcpTensor", "is_dcp_folder", "iter_dcp_tensors", "read_metadata",
+]

@@ -1,4 +1,10 @@
-"""safetensors files: the header is checked here, with bounded memory, before safetensors reads it."""
+"""safetensors files: the header is checked here, with bounded memory, before safetensors reads it.
+
+For validation, tensors are then streamed straight from the file: each piece is read with `preadv`
+into one reusable buffer, so peak memory is one piece whatever the file size, and nothing stays
+mapped. The safetensors library still opens the file once, so a file it would refuse at resume
+time is refused here too.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,11 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from safepoint.loaders.base import Limits, LoadError, OnProblem, Problem, one_line, raise_problem
+from safepoint.loaders.base import Limits, LoadError, OnProblem, Problem, TensorSource, one_line, raise_problem
 
 SAFETENSORS_SUFFIXES = frozenset({".safetensors"})
 
@@ -22,6 +29,18 @@ DTYPE_BITS = {
     "U32": 32, "I32": 32, "F32": 32, "C64": 64,
     "U64": 64, "I64": 64, "F64": 64, "C128": 128,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+# safetensors dtype -> torch dtype, where torch has one (sub-byte floats have none: no stats).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    k: v for k, v in {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+        "U64": getattr(torch, "uint64", None), "F16": torch.float16, "BF16": torch.bfloat16,
+        "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None), "E8M0": getattr(torch, "float8_e8m0fnu", None),
+    }.items() if v is not None
 }
 
 
@@ -39,6 +58,11 @@ def read_header(path: str | os.PathLike, limits: Limits = Limits()) -> list[Tens
 
     The length prefix is checked against the limit and the file size before anything is read.
     """
+    return _read_header(path, limits)[0]
+
+
+def _read_header(path: str | os.PathLike, limits: Limits) -> tuple[list[TensorEntry], int]:
+    """(entries, offset of the data section)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
@@ -77,7 +101,7 @@ def read_header(path: str | os.PathLike, limits: Limits = Limits()) -> list[Tens
                             f"and {e.name!r} [{e.begin}, {e.end}) overlap", tensor=e.name)
         if prev is None or e.end > prev.end:
             prev = e
-    return entries
+    return entries, 8 + n
 
 
 def _check_entry(name: str, info: object, data_len: int) -> TensorEntry:
@@ -131,3 +155,69 @@ def iter_safetensors_tensors(
                 continue
             yield e.name, t
             del t
+
+
+class SafetensorsTensor(TensorSource):
+    """One tensor of a safetensors file, read piece by piece into a shared reusable buffer."""
+
+    def __init__(self, fd: int, entry: TensorEntry, data_start: int, buffer: _Buffer) -> None:
+        self.entry = entry
+        self.torch_dtype = TORCH_DTYPES.get(entry.dtype)
+        self.dtype = self.torch_dtype  # type: ignore[assignment]  # None: no torch dtype, no stats
+        self.dtype_name = entry.dtype if self.torch_dtype is None else None
+        self.shape = entry.shape
+        self._fd, self._start, self._buffer = fd, data_start + entry.begin, buffer
+
+    def pieces(self, max_elems: int) -> Iterator[torch.Tensor]:
+        if self.torch_dtype is None:
+            return
+        itemsize = self.torch_dtype.itemsize
+        total = self.entry.end - self.entry.begin
+        step = max(1, max_elems) * itemsize
+        done = 0
+        while done < total:
+            n = min(step, total - done)
+            buf = self._buffer.get(n)
+            got = os.preadv(self._fd, [memoryview(buf.numpy())[:n]], self._start + done)
+            if got != n:
+                raise LoadError(Problem.UNLOADABLE, f"{self.entry.name}: short read ({got} of {n} bytes at "
+                                f"{self._start + done}): file truncated while reading", tensor=self.entry.name)
+            yield buf[:n].view(self.torch_dtype)
+            done += n
+
+
+class _Buffer:
+    """One growable byte buffer reused by every piece of a file."""
+
+    def __init__(self) -> None:
+        self._t = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, n: int) -> torch.Tensor:
+        if self._t.numel() < n:
+            self._t = torch.empty(n, dtype=torch.uint8)
+        return self._t
+
+
+def iter_safetensors_leaves(
+    path: str | os.PathLike, limits: Limits = Limits(), on_problem: OnProblem = raise_problem,
+) -> Iterator[tuple[str, Any]]:
+    """(name, SafetensorsTensor) for every tensor, in file order (sequential reads)."""
+    from safetensors import safe_open
+
+    entries, data_start = _read_header(path, limits)
+    try:
+        with safe_open(os.fspath(path), framework="pt", device="cpu"):
+            pass  # the library's own checks (e.g. gaps in data_offsets), without reading data
+    except Exception as e:
+        raise LoadError(Problem.UNLOADABLE, f"safetensors refused the file: {one_line(e)}") from None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = _Buffer()
+        for e in entries:
+            if limits.max_tensor_bytes is not None and e.end - e.begin > limits.max_tensor_bytes:
+                on_problem(LoadError(Problem.UNLOADABLE, f"{e.name}: {e.end - e.begin} bytes is over the "
+                                     f"max_tensor_bytes limit", tensor=e.name))
+                continue
+            yield e.name, SafetensorsTensor(fd, e, data_start, buffer)
+    finally:
+        os.close(fd)

@@ -1,4 +1,10 @@
-"""torch.save files, loaded only with the weights-only unpickler (never plain pickle)."""
+"""torch.save files, loaded only with the weights-only unpickler (never plain pickle).
+
+For validation the zip format is memory-mapped (`mmap=True`): the pickle is read, tensor data is
+not; each tensor is then read in place, piece by piece, and its pages are released as soon as they
+have been read (safepoint.loaders.mapped), so peak memory does not grow with the file. The legacy
+and tar formats cannot be mapped and are loaded whole.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,12 @@ import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 
-from safepoint.loaders.base import Limits, LoadError, Problem, iter_tensors, one_line
+from safepoint.loaders.base import Limits, LoadedTensor, LoadError, Problem, iter_leaves, iter_tensors, one_line
+from safepoint.loaders.mapped import MappedFile
 
 TORCH_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar"})
 ZIP_MAGIC = b"PK\x03\x04"
@@ -80,3 +87,16 @@ def torch_load_safely(source: str | os.PathLike | IO[bytes], *, mmap: bool = Fal
 def iter_torch_tensors(path: str | os.PathLike, limits: Limits = Limits()) -> Iterator[tuple[str, torch.Tensor]]:
     obj = load_torch(path)
     yield from iter_tensors(obj, max_nesting=limits.max_nesting)
+
+
+def iter_torch_leaves(path: str | os.PathLike, limits: Limits = Limits()) -> Iterator[tuple[str, Any]]:
+    """(dotted name, LoadedTensor or plain value) for every leaf of a torch.save file.
+
+    Tensors of the zip format stay memory-mapped: nothing is read until a piece is asked for, and
+    each piece's pages are released after use.
+    """
+    mapped = sniff_torch(path) == "zip"
+    obj = torch_load_safely(path, mmap=mapped)
+    release = MappedFile.of(path).release if mapped else None
+    for name, leaf in iter_leaves(obj, max_nesting=limits.max_nesting):
+        yield name, (LoadedTensor(leaf, release) if isinstance(leaf, torch.Tensor) else leaf)
