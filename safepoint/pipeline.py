@@ -53,6 +53,9 @@ def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
     row = catalog.record_commit(snap.manifest, digest_bytes(snap.manifest_bytes), str(snap.root))
     if row.state is CS.PRUNED:
         raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
+    # A validation that a crash interrupted leaves `validating`, from which there is no way back to
+    # `replicating`: step back through `replicated` so that the re-ingest takes the work over.
+    catalog.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING}, detail={"why": "re-ingest"})
     catalog.transition(row.id, CS.REPLICATING)
     row = catalog.get_by_id(row.id)
     if row.state is CS.PRUNED:  # retention marked it between record_commit and the transition
