@@ -48,11 +48,18 @@ def durable(root: Path, i: int = 0) -> str:
 def seed(catalog: Catalog, root: Path, run: str, step: int, *, state: C | str = C.VERIFIED,
          replicas: tuple[R | str, ...] = (R.VERIFIED,), created: datetime | None = None,
          parent: tuple[str, int] | None = None, tags: tuple[str, ...] = (), metrics: dict | None = None,
-         pinned: bool = False, size: int = 64) -> CheckpointRow:
+         pinned: bool = False, size: int = 64, loadable: bool = False) -> CheckpointRow:
+    """`loadable`: a real safetensors file (passes validation on re-ingest) instead of raw bytes."""
     state = C(state)
     folder = local_folder(root, run, step)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "weights.bin").write_bytes(bytes([step % 251]) * size)
+    if loadable:
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        save_file({"w": np.full(max(1, size // 4), step, np.float32)}, str(folder / "model.safetensors"))
+    else:
+        (folder / "weights.bin").write_bytes(bytes([step % 251]) * size)
     meta = {"tags": list(tags)} if tags else {}
     if metrics:
         meta["metrics"] = metrics
