@@ -420,13 +420,7 @@ class Catalog:
             rq = (rq.join(Checkpoint, Replica.checkpoint_id == Checkpoint.id).join(Run, Checkpoint.run_id == Run.id)
                   .where(*replicas_where))
         reps = self._replica_views(s, rq.order_by(Replica.id))
-        return [CheckpointView(
-            id=r.id, run=r.run, step=r.step, state=C(r.state), local_path=r.local_path, created_at=r.created_at,
-            total_bytes=r.total_bytes, pinned=bool(r.pinned), tags=tuple(r.tags or ()), metrics=dict(r.metrics or {}),
-            parent=(r.parent_run, r.parent_step) if r.parent_run is not None else None, world_size=r.world_size,
-            replicas=tuple(reps.get(r.id, ())), file_count=r.file_count, state_changed_at=r.state_changed_at,
-            error=r.error, version=r.version,
-        ) for r in rows]
+        return [self._view_of(r, tuple(reps.get(r.id, ()))) for r in rows]
 
     def list_checkpoints(self, run: str | None = None,
                          states: Iterable[CheckpointState] | None = None) -> list[CheckpointView]:
@@ -443,15 +437,46 @@ class Catalog:
 
     # -- resume point -------------------------------------------------------------------------
 
+    def _page_views(self, conn: Any, page: Any) -> list[CheckpointView]:
+        """One round trip: the page of checkpoints (a LIMITed select of _VIEW_COLS) LEFT JOIN replicas."""
+        sub = page.subquery()
+        q = (sa.select(sub, Replica.url.label("r_url"), Replica.destination.label("r_dest"),
+                       Replica.state.label("r_state"), Replica.verified_at.label("r_verified_at"))
+             .outerjoin(Replica, Replica.checkpoint_id == sub.c.id)
+             .order_by(sub.c.step.desc(), Replica.id))
+        views: list[CheckpointView] = []
+        reps: list[ReplicaView] = []
+        last = None
+        for r in conn.execute(q):
+            if last is None or r.id != last.id:
+                if last is not None:
+                    views.append(self._view_of(last, tuple(reps)))
+                last, reps = r, []
+            if r.r_url is not None:
+                reps.append(ReplicaView(r.r_url, r.r_dest, ReplicaState(r.r_state), r.r_verified_at))
+        if last is not None:
+            views.append(self._view_of(last, tuple(reps)))
+        return views
+
+    @staticmethod
+    def _view_of(r: Any, replicas: tuple[ReplicaView, ...]) -> CheckpointView:
+        return CheckpointView(
+            id=r.id, run=r.run, step=r.step, state=C(r.state), local_path=r.local_path, created_at=r.created_at,
+            total_bytes=r.total_bytes, pinned=bool(r.pinned), tags=tuple(r.tags or ()), metrics=dict(r.metrics or {}),
+            parent=(r.parent_run, r.parent_step) if r.parent_run is not None else None, world_size=r.world_size,
+            replicas=replicas, file_count=r.file_count, state_changed_at=r.state_changed_at, error=r.error,
+            version=r.version,
+        )
+
     def candidates_for_resume(self, run: str, *, max_step: int | None = None, before: datetime | None = None,
                               below_step: int | None = None, limit: int = 16,
-                              _session: Session | None = None) -> list[CheckpointView]:
+                              _conn: Any = None) -> list[CheckpointView]:
         """One page of `run`'s checkpoints, newest first, that a resume decision may look at.
 
         Only rows within the rules' scope (step <= max_step, created before `before`) and below
-        `below_step` (the previous page's last step). The plan is a backward range scan of
-        uq_checkpoints_run_id_step (run_id, step) that stops after `limit` rows, plus one lookup of
-        their replicas by uq_replicas_checkpoint_id_url: cost does not grow with the catalog.
+        `below_step` (the previous page's last step). One statement: a backward range scan of
+        uq_checkpoints_run_id_step (run_id, step) that stops after `limit` rows, joined to their
+        replicas through uq_replicas_checkpoint_id_url, so its cost does not grow with the catalog.
         """
         where: list[Any] = [Checkpoint.run_id == sa.select(Run.id).where(Run.name == run).scalar_subquery()]
         if max_step is not None:
@@ -460,12 +485,12 @@ class Catalog:
             where.append(Checkpoint.step < below_step)
         if before is not None:
             where.append(Checkpoint.created_at < before)
-        q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
-             .order_by(Checkpoint.step.desc()).limit(limit))
-        if _session is not None:
-            return self._views(_session, q)
-        with self._read() as s:
-            return self._views(s, q)
+        page = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
+                .order_by(Checkpoint.step.desc()).limit(limit))
+        if _conn is not None:
+            return self._page_views(_conn, page)
+        with self._ro_engine.connect() as conn, conn.begin():
+            return self._page_views(conn, page)
 
     def resume_point(self, run: str, *, min_replicas: int = 1, max_step: int | None = None,
                      before: datetime | None = None, tag: str | None = None, page: int = 8) -> ResumeDecision:
@@ -474,16 +499,16 @@ class Catalog:
         Pages newest-first (8, 32, 128, ... rows) until the pure decision has a winner: the rows
         seen are then exactly the winner and every newer candidate, so the decision (and its
         explanation) is the one the pure function gives on the whole run. One read transaction,
-        so every page sees the same snapshot.
+        so every page sees the same snapshot; usually one page, one statement.
         """
         from safepoint.decisions import resume_point as decide
 
         seen: list[CheckpointView] = []
         below: int | None = None
-        with self._read() as s:
+        with self._ro_engine.connect() as conn, conn.begin():
             while True:
                 batch = self.candidates_for_resume(run, max_step=max_step, before=before, below_step=below,
-                                                   limit=page, _session=s)
+                                                   limit=page, _conn=conn)
                 seen.extend(batch)
                 decision = decide(seen, min_replicas=min_replicas, max_step=max_step, before=before, tag=tag)
                 if decision.chosen is not None or len(batch) < page:
