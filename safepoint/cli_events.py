@@ -81,7 +81,7 @@ def cmd_watch(args) -> int:
     policy = Policy(confirm_after_s=args.confirm_after, retry_max_s=args.retry_max)
     dispatcher = Dispatcher(catalog, spool, PrefectGateway(args.deployment or DEFAULT_DEPLOYMENT), policy)
     watcher = EmitWatcher(root, args.to, catalog, dispatcher, node, config=load_config(),
-                          interval=args.interval, timeouts_every=None if args.no_timeouts else 10.0,
+                          interval=args.interval, timeouts_every=None if args.no_timeouts else args.timeouts_every,
                           use_inotify=not args.poll_only, on_event=lambda text: err.print(text))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,6 +158,8 @@ def register(sub) -> None:
                        help="longest wait between retries while the Prefect server is down")
         w.add_argument("--poll-only", action="store_true", help="no inotify: rescan every --interval")
         w.add_argument("--no-timeouts", action="store_true", help="do not apply multi-node timeouts here")
+        w.add_argument("--timeouts-every", type=float, default=10.0,
+                       help="seconds between multi-node timeout checks (cheap catalog queries)")
         w.set_defaults(fn=cmd_watch)
 
     s = sub.add_parser("metrics", help="print Safepoint's Prometheus metrics once")

@@ -41,7 +41,7 @@ def batches(files: Sequence[FileEntry], batch_bytes: int = DEFAULT_BATCH_BYTES,
     if batch_bytes < 1 or batch_files < 1:
         raise ValueError("batch_bytes and batch_files must be >= 1")
     total = sum(f.size for f in files)
-    n = max(1, -(-total // batch_bytes), -(-len(files) // batch_files)) if files else 0
+    n = min(len(files), max(1, -(-total // batch_bytes), -(-len(files) // batch_files)))
     bins: list[list[FileEntry]] = [[] for _ in range(n)]
     loads = [0] * n
     for f in sorted(files, key=lambda f: (-f.size, f.path)):

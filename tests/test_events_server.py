@@ -1,0 +1,222 @@
+"""Event-driven ingest on a real Prefect server: watchers emit, `safepoint serve` runs, nobody calls ingest.
+
+One `prefect server start` (SQLite, its own PREFECT_HOME, a free loopback port) and one
+`safepoint serve` process serve the whole module; each test starts its own watcher processes
+(`safepoint watch ROOT --emit`), one per simulated node, each with its own root. Everything is
+stopped at the end (process groups: SIGTERM, then SIGKILL).
+
+Done-when of issue 6:
+- a committed snapshot under a watched root becomes `verified` through an event and a flow run;
+- with the server stopped, a marker written meanwhile is kept and ingested after the restart;
+- a 3-node, 6-rank checkpoint becomes verified when every node delivers; with one node killed it
+  becomes `incomplete` through the surviving watchers' periodic check, nothing hangs, and the
+  previous checkpoint stays the resume point. (The served completeness deployment does the same
+  on its schedule; its flow is tested in tests/test_multinode.py, its schedule is kept long here
+  because every run is a new process on a two-core machine.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from safepoint import commit
+from safepoint.events import Marker
+from safepoint.snapshot import LocalSnapshot
+from tests.prefect_server import PrefectServer, stop_group
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 8              # multi-node timeout
+COMPLETENESS_EVERY = 120   # the served completeness deployment (each run is a process: keep them rare here)
+
+
+class Stack:
+    def __init__(self, base: Path):
+        self.base = base
+        self.server = PrefectServer(base / "prefect")
+        self.catalog_url = f"sqlite:///{base / 'catalog.db'}"
+        self.durable = (base / "durable").as_uri()
+        self.procs: list[subprocess.Popen] = []
+        (base / "home").mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, **self.server.env())
+        env.update({"SAFEPOINT_HOME": str(self.base / "home"), "SAFEPOINT_CATALOG_URL": self.catalog_url,
+                    "SAFEPOINT_MULTINODE_TIMEOUT_S": str(TIMEOUT_S), "PREFECT_LOGGING_LEVEL": "WARNING"})
+        env.pop("SAFEPOINT_CONFIG", None)
+        return env
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.base / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli", *args], env=self.env(), stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True, cwd=str(self.base))
+        self.procs.append(p)
+        return p
+
+    def watch(self, root: Path, node: str, *extra: str) -> subprocess.Popen:
+        root.mkdir(parents=True, exist_ok=True)
+        return self.spawn(f"watch-{node}", "watch", str(root), "--emit", "--to", self.durable, "--node", node,
+                          "--interval", "1", "--retry-max", "2", "--confirm-after", "20",
+                          "--spool", str(self.base / "spool" / node), *extra)
+
+    def log(self, name: str) -> str:
+        p = self.base / f"{name}.log"
+        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            stop_group(p)
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("events-server"))
+    try:
+        s.server.start()
+        s.spawn("serve", "serve", "--to", s.durable, "--poll", "1", "--scrub-every", "0",
+                "--completeness-every", str(COMPLETENESS_EVERY))
+        yield s
+    finally:
+        s.close()
+
+
+def catalog(stack):
+    from catalog.store import open_catalog
+
+    return open_catalog(stack.catalog_url)
+
+
+def wait_for(what: str, check: Callable[[], object], timeout_s: float, stack: Stack, *logs: str) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.25)
+    detail = "\n".join(f"--- {n}.log\n{stack.log(n)}" for n in ("serve", *logs))
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n{detail}")
+
+
+def state_of(stack, run, step):
+    row = catalog(stack).get(run, step)
+    return row.state.value if row else None
+
+
+def flow_runs(stack) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async def read():
+        async with get_client() as c:
+            return await c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["safepoint-ingest"])),
+                                          limit=200)
+
+    old = {k: os.environ.get(k) for k in stack.server.env()}
+    os.environ.update(stack.server.env())
+    try:
+        return asyncio.run(read())
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def write_snapshot(root: Path, run: str, step: int) -> Path:
+    folder = root / run / f"step-{step}"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.full((8, 8), float(step)), "step": torch.tensor(step)}, folder / "model.pt")
+    commit(folder, run, step)
+    return folder
+
+
+def write_part(root: Path, run: str, step: int, node: str, ranks: tuple[int, ...]) -> Path:
+    folder = root / run / f"step-{step}"
+    folder.mkdir(parents=True)
+    for r in ranks:
+        torch.save({"shard": torch.full((4, 4), float(r + step)), "rank": torch.tensor(r)}, folder / f"rank{r}.pt")
+    commit(folder, run, step, world_size=6, ranks=list(ranks), node=node)
+    return folder
+
+
+def test_marker_becomes_verified_without_a_call_and_survives_a_server_restart(stack):
+    root = stack.base / "single"
+    stack.watch(root, "solo")
+    time.sleep(2)
+    t0 = time.monotonic()
+    folder = write_snapshot(root, "ev", 1)
+    wait_for("ev/1 verified", lambda: state_of(stack, "ev", 1) == "verified", 150, stack, "watch-solo")
+    print(f"\nmarker -> verified: {time.monotonic() - t0:.1f}s")
+    marker = Marker.of(LocalSnapshot.open(folder), [stack.durable], "solo")
+    runs = [r for r in flow_runs(stack) if (r.parameters or {}).get("event_id") == marker.event_id]
+    assert len(runs) == 1 and runs[0].state_type.value == "COMPLETED"
+    assert runs[0].parameters["to"] == [stack.durable]  # templated from the event, as a native list
+    row = catalog(stack).get("ev", 1)
+    assert [r.state.value for r in catalog(stack).replicas(row.id)] == ["verified"]
+    (done,) = catalog(stack).events(row.id, kind="ingest.done")
+    assert done["detail"]["event_id"] == marker.event_id
+
+    # The server goes away; a marker written meanwhile is spooled, not lost.
+    stack.server.stop()
+    folder2 = write_snapshot(root, "ev", 2)
+    spool = stack.base / "spool" / "solo"
+    m2 = Marker.of(LocalSnapshot.open(folder2), [stack.durable], "solo")
+    wait_for("marker spooled while the server is down",
+             lambda: (spool / f"{m2.event_id}.json").exists() and "unreachable" in
+             (spool / f"{m2.event_id}.json").read_text(), 60, stack, "watch-solo")
+    assert state_of(stack, "ev", 2) is None
+    stack.server.start()
+    wait_for("ev/2 verified after the restart", lambda: state_of(stack, "ev", 2) == "verified", 180, stack,
+             "watch-solo")
+    wait_for("spool drained", lambda: not list(spool.glob("*.json")), 30, stack, "watch-solo")
+    # Exactly one ingest per marker, even with retries around the outage.
+    ids = [(r.parameters or {}).get("event_id") for r in flow_runs(stack)]
+    assert ids.count(m2.event_id) == 1 and ids.count(marker.event_id) == 1
+
+
+NODES = {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}
+
+
+def test_three_nodes_six_ranks_and_a_killed_node(stack):
+    roots = {n: stack.base / "nodes" / n for n in NODES}
+    watchers = {n: stack.watch(roots[n], n, "--timeouts-every", "2") for n in NODES}
+    time.sleep(2)
+    t0 = time.monotonic()
+    for n, ranks in NODES.items():
+        write_part(roots[n], "mn", 100, n, ranks)
+    wait_for("mn/100 verified", lambda: state_of(stack, "mn", 100) == "verified", 200, stack,
+             *(f"watch-{n}" for n in NODES))
+    print(f"\n3 nodes -> verified: {time.monotonic() - t0:.1f}s")
+    row = catalog(stack).get("mn", 100)
+    assert row.delivered_ranks == tuple(range(6)) and row.file_count == 6
+    assert (Path(stack.durable[len("file://"):]) / "mn" / "100" / "COMMITTED").is_file()
+
+    # Node n2 dies (its watcher and its training ranks): only n0 and n1 deliver step 200.
+    stop_group(watchers["n2"], grace_s=0)
+    t1 = time.monotonic()
+    for n in ("n0", "n1"):
+        write_part(roots[n], "mn", 200, n, NODES[n])
+    wait_for("mn/200 incomplete", lambda: state_of(stack, "mn", 200) == "incomplete",
+             TIMEOUT_S + 90, stack, "watch-n0", "watch-n1")
+    print(f"\nkilled node -> incomplete: {time.monotonic() - t1:.1f}s (timeout {TIMEOUT_S}s)")
+    row = catalog(stack).get("mn", 200)
+    assert row.delivered_ranks == (0, 1, 2, 3) and "4, 5" in row.error
+    from safepoint.decisions import resume_point
+
+    assert resume_point(catalog(stack).list_checkpoints("mn")).chosen.step == 100
+    # Nothing hangs: every ingest run has finished, none waits for the dead node.
+    wait_for("all ingest runs finished",
+             lambda: all(r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs(stack)),
+             60, stack)
+    assert all(r.state_type.value == "COMPLETED" for r in flow_runs(stack))
