@@ -187,6 +187,22 @@ def test_mutation_right_after_save_returns_does_not_reach_the_checkpoint(tmp_pat
         assert_same(state, back)  # the mutation was real
 
 
+def test_a_budget_of_exactly_the_state_size_holds_the_whole_state(tmp_path):
+    state = {"w": torch.randn(MiB // 4 + 12345), "b": torch.randn(7, dtype=torch.float64),
+             "m": torch.randint(0, 9, (333,), dtype=torch.uint8), "s": torch.tensor(1.0)}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    size += -size % 16  # the pool is made of pieces of 16 bytes or more
+    expected = clone_state(state)
+    with snapshotter(tmp_path, budget_bytes=size, buffer_bytes=256 * 1024) as snap:
+        h = snap.save(1, state)
+        for t in state.values():
+            t.zero_()
+        h.wait()
+        assert h.stats.deferred  # it all fit: the writer started only once staging was done ...
+        assert size - 16 < snap.pool.high_water_in_use <= snap.pool.high_water_allocated <= size  # ... all at once
+    assert_same(expected, load(tmp_path / "nvme" / "run-a" / "1"))
+
+
 def test_repeated_saves_reuse_the_pool(tmp_path):
     state = {"w": torch.randn(512, 512)}
     expected = []

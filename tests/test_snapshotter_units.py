@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safepoint.errors import FormatError
 from safepoint.snapshotter.layout import plan_file, shard_name
 from safepoint.snapshotter.memory import MemInfo, floor_allows, read_meminfo
-from safepoint.snapshotter.pool import BufferPool, choose_buffer_bytes
+from safepoint.snapshotter.pool import BufferPool, choose_buffer_bytes, plan_sizes
 from safepoint.snapshotter.rendezvous import missing_ranks
 from safepoint.snapshotter.staging import Stager
 from safepoint.snapshotter.structure import flatten, unflatten
@@ -93,6 +93,16 @@ def test_layout_is_standard_safetensors_aligned_and_gapless():
 ])
 def test_buffer_size(budget, requested, expected):
     assert choose_buffer_bytes(budget, requested) == expected
+
+
+@pytest.mark.parametrize("budget, buffer, sizes", [
+    (4 * MiB, MiB, [MiB] * 4),
+    (MiB * 2 + 200 * 1024 + 100, MiB, [MiB, MiB, 128 * 1024, 64 * 1024, 8 * 1024, 64, 32]),  # a state-sized budget
+    (MiB + 15, MiB, [MiB]),
+])
+def test_pool_sizes_cover_the_budget_in_powers_of_two(budget, buffer, sizes):
+    assert plan_sizes(budget, buffer) == sizes
+    assert budget - 16 < sum(sizes) <= budget and all(s & (s - 1) == 0 for s in sizes)
 
 
 @pytest.mark.parametrize("budget, requested", [(100, None), (16 * MiB, 3 * MiB), (MiB, 2 * MiB)])

@@ -6,7 +6,9 @@ asynchronously; plain, pre-faulted host memory otherwise. The pool never holds m
 (backpressure). It records its high-water marks so tests and benchmarks can check the budget.
 
 Buffers are powers of two, so the caching host allocator does not round them up (the budget is
-exact) and tensors split across buffers split on element boundaries (see layout.py).
+exact) and tensors split across buffers split on element boundaries (see layout.py): `buffer_bytes`
+buffers, then smaller powers of two for the rest of the budget, so a state of exactly
+`budget_bytes` fits (to within 16 bytes) and a budget of "the state size" means what it says.
 """
 
 from __future__ import annotations
@@ -22,11 +24,22 @@ from safepoint.snapshotter.memory import MemoryGuard
 
 MiB = 1024 * 1024
 MIN_BUFFER = 4096
+TAIL_MIN = 16  # the smallest tail piece: keeps every buffer boundary 16-byte aligned (the largest element)
 DEFAULT_MAX_BUFFER = 64 * MiB
 
 
 def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def plan_sizes(budget_bytes: int, buffer_bytes: int) -> list[int]:
+    """Buffer sizes covering the budget: full buffers, then the remainder as powers of two >= 16 bytes (pure)."""
+    sizes = [buffer_bytes] * (budget_bytes // buffer_bytes)
+    rest = budget_bytes % buffer_bytes
+    while rest >= TAIL_MIN:
+        sizes.append(_pow2_floor(rest))
+        rest -= sizes[-1]
+    return sizes
 
 
 def choose_buffer_bytes(budget_bytes: int, requested: int | None = None) -> int:
@@ -64,46 +77,48 @@ class BufferPool:
     ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.buffer_bytes = choose_buffer_bytes(self.budget_bytes, buffer_bytes)
-        self.capacity = self.budget_bytes // self.buffer_bytes
+        self.sizes = plan_sizes(self.budget_bytes, self.buffer_bytes)  # every buffer the pool may hold
+        self.capacity_bytes = sum(self.sizes)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.guard = guard
         self.floor_timeout_s = floor_timeout_s
         self._cond = threading.Condition()
         self._free: list[Buffer] = []
-        self._allocated = 0      # buffers allocated (or being allocated)
-        self._in_use = 0
+        self._allocated = 0      # buffers allocated (or being allocated): the first ones of self.sizes
+        self._allocated_bytes = 0
+        self._in_use_bytes = 0
         self.high_water_in_use = 0       # bytes
         self.high_water_allocated = 0    # bytes
         self.wait_s = 0.0                # time acquire() spent waiting for a buffer, cumulative
         self.guard_wait_s = 0.0          # of which, waiting because the memory floor refused growth
         self._closed = False
         if preallocate:
-            want = self.capacity * self.buffer_bytes
+            want = self.capacity_bytes
             if guard is not None and not guard.allows(want):
                 raise MemoryFloorError(f"refusing to allocate the {want / 2**30:.2f} GiB staging pool: "
                                        f"{guard.last_refusal.message() if guard.last_refusal else ''}; "
                                        "lower budget_bytes or the memory floor")
-            self._allocated = self.capacity
-            self._free = [self._new_buffer(i) for i in range(self.capacity)]
+            self._allocated, self._allocated_bytes = len(self.sizes), want
+            self._free = [self._new_buffer(i) for i in range(len(self.sizes))]
             self.high_water_allocated = want
 
     # -- accounting ---------------------------------------------------------------------------
 
     @property
     def allocated_bytes(self) -> int:
-        return self._allocated * self.buffer_bytes
+        return self._allocated_bytes
 
     @property
     def in_use_bytes(self) -> int:
-        return self._in_use * self.buffer_bytes
+        return self._in_use_bytes
 
-    def available_buffers(self) -> int:
-        """Buffers acquire() could hand out now without waiting for the writer (free or allocatable)."""
+    def available_bytes(self) -> int:
+        """Bytes acquire() could hand out now without waiting for the writer (free or still allocatable)."""
         with self._cond:
-            return len(self._free) + (self.capacity - self._allocated)
+            return sum(b.nbytes for b in self._free) + self.capacity_bytes - self._allocated_bytes
 
     def _new_buffer(self, index: int) -> Buffer:
-        t = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        t = torch.empty(self.sizes[index], dtype=torch.uint8, pin_memory=self.pin)
         if not self.pin:
             t.fill_(0)  # fault the pages in now, not during the first save's copy
         return Buffer(t, index)
@@ -118,19 +133,23 @@ class BufferPool:
             while True:
                 if self._closed:
                     raise RuntimeError("the staging pool is closed")
-                if self._free:
-                    buf = self._free.pop()
+                if self._free:  # the largest first: small tail buffers end a save
+                    i = max(range(len(self._free)), key=lambda j: self._free[j].nbytes)
+                    buf = self._free.pop(i)
                     break
-                if self._allocated < self.capacity:
-                    if self.guard is None or self.guard.allows(self.buffer_bytes):
+                if self._allocated < len(self.sizes):
+                    size = self.sizes[self._allocated]
+                    if self.guard is None or self.guard.allows(size):
+                        index = self._allocated
                         self._allocated += 1
-                        index = self._allocated - 1
+                        self._allocated_bytes += size
                         self._cond.release()
                         try:
                             buf = self._new_buffer(index)
                         except BaseException:
                             self._cond.acquire()
                             self._allocated -= 1
+                            self._allocated_bytes -= size
                             raise
                         self._cond.acquire()
                         self.high_water_allocated = max(self.high_water_allocated, self.allocated_bytes)
@@ -138,7 +157,7 @@ class BufferPool:
                     # The floor refuses growth: wait for the writer to return a buffer, or for memory.
                     now = time.perf_counter()
                     guard_since = guard_since or now
-                    if self._in_use == 0 and now - guard_since > self.floor_timeout_s:
+                    if self._in_use_bytes == 0 and now - guard_since > self.floor_timeout_s:
                         why = self.guard.last_refusal.message() if self.guard.last_refusal else ""
                         raise MemoryFloorError(f"staging delayed {now - guard_since:.1f} s by the memory floor "
                                                f"and no memory came back: {why}")
@@ -149,8 +168,8 @@ class BufferPool:
                         check()
                     finally:
                         self._cond.acquire()
-            self._in_use += 1
-            self.high_water_in_use = max(self.high_water_in_use, self.in_use_bytes)
+            self._in_use_bytes += buf.nbytes
+            self.high_water_in_use = max(self.high_water_in_use, self._in_use_bytes)
             waited = time.perf_counter() - t0
             self.wait_s += waited
             if guard_since is not None:
@@ -159,7 +178,7 @@ class BufferPool:
 
     def release(self, buf: Buffer) -> None:
         with self._cond:
-            self._in_use -= 1
+            self._in_use_bytes -= buf.nbytes
             if not self._closed:
                 self._free.append(buf)
             self._cond.notify()

@@ -233,8 +233,7 @@ class Snapshotter:
             handle = SaveHandle(step, folder, self.rank, self.world_size, stats)
             job = Job(folder=folder, name=self.shard_name, layout=layout, handle=handle, stats=stats, t0=t0,
                       on_written=lambda j, e: self._commit(j, e, parent=parent, meta=meta))
-            need = -(-layout.data_bytes // self.pool.buffer_bytes)
-            stats.deferred = need <= self.pool.available_buffers()
+            stats.deferred = layout.data_bytes <= self.pool.available_bytes()
             if not stats.deferred:
                 job.release.set()  # the writer drains while we stage: backpressure
             wait0, guard0 = self.pool.wait_s, self.pool.guard_wait_s
