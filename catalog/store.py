@@ -437,17 +437,21 @@ class Catalog:
 
     # -- resume point -------------------------------------------------------------------------
 
-    def _page_views(self, conn: Any, page: Any) -> list[CheckpointView]:
-        """One round trip: the page of checkpoints (a LIMITed select of _VIEW_COLS) LEFT JOIN replicas."""
+    @staticmethod
+    def _with_replicas(page: Any) -> Any:
+        """The page of checkpoints (a LIMITed select of _VIEW_COLS) LEFT JOIN their replicas."""
         sub = page.subquery()
-        q = (sa.select(sub, Replica.url.label("r_url"), Replica.destination.label("r_dest"),
-                       Replica.state.label("r_state"), Replica.verified_at.label("r_verified_at"))
-             .outerjoin(Replica, Replica.checkpoint_id == sub.c.id)
-             .order_by(sub.c.step.desc(), Replica.id))
+        return (sa.select(sub, Replica.url.label("r_url"), Replica.destination.label("r_dest"),
+                          Replica.state.label("r_state"), Replica.verified_at.label("r_verified_at"))
+                .outerjoin(Replica, Replica.checkpoint_id == sub.c.id)
+                .order_by(sub.c.step.desc(), Replica.id))
+
+    def _page_views(self, conn: Any, q: Any, params: dict[str, Any] | None = None) -> list[CheckpointView]:
+        """One round trip for a page of checkpoints and their replicas (`q` from _with_replicas)."""
         views: list[CheckpointView] = []
         reps: list[ReplicaView] = []
         last = None
-        for r in conn.execute(q):
+        for r in conn.execute(q, params or {}):
             if last is None or r.id != last.id:
                 if last is not None:
                     views.append(self._view_of(last, tuple(reps)))
@@ -468,6 +472,37 @@ class Catalog:
             version=r.version,
         )
 
+    # Built once per combination of filters, executed with bound parameters: constructing the
+    # SELECT costs more CPU than running it.
+    _PAGE_CACHE: dict[tuple[bool, bool, bool, bool], Any] = {}
+
+    @classmethod
+    def _resume_page_statement(cls, has_max: bool, has_before: bool, has_below: bool, with_replicas: bool) -> Any:
+        key = (has_max, has_before, has_below, with_replicas)
+        q = cls._PAGE_CACHE.get(key)
+        if q is None:
+            where: list[Any] = [
+                Checkpoint.run_id == sa.select(Run.id).where(Run.name == sa.bindparam("run")).scalar_subquery()]
+            if has_max:
+                where.append(Checkpoint.step <= sa.bindparam("max_step"))
+            if has_below:
+                where.append(Checkpoint.step < sa.bindparam("below_step"))
+            if has_before:
+                where.append(Checkpoint.created_at < sa.bindparam("before", type_=Checkpoint.created_at.type))
+            q = (sa.select(*cls._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
+                 .order_by(Checkpoint.step.desc()).limit(sa.bindparam("limit", type_=sa.Integer)))
+            q = cls._PAGE_CACHE[key] = cls._with_replicas(q) if with_replicas else q
+        return q
+
+    def resume_page_query(self, run: str, *, max_step: int | None = None, before: datetime | None = None,
+                          below_step: int | None = None, limit: int = 16,
+                          with_replicas: bool = False) -> tuple[Any, dict[str, Any]]:
+        """The SELECT behind candidates_for_resume and its parameters (also for EXPLAIN in bench/)."""
+        q = self._resume_page_statement(max_step is not None, before is not None, below_step is not None,
+                                        with_replicas)
+        params = {"run": run, "max_step": max_step, "before": before, "below_step": below_step, "limit": int(limit)}
+        return q, {k: v for k, v in params.items() if v is not None}
+
     def candidates_for_resume(self, run: str, *, max_step: int | None = None, before: datetime | None = None,
                               below_step: int | None = None, limit: int = 16,
                               _conn: Any = None) -> list[CheckpointView]:
@@ -478,19 +513,12 @@ class Catalog:
         uq_checkpoints_run_id_step (run_id, step) that stops after `limit` rows, joined to their
         replicas through uq_replicas_checkpoint_id_url, so its cost does not grow with the catalog.
         """
-        where: list[Any] = [Checkpoint.run_id == sa.select(Run.id).where(Run.name == run).scalar_subquery()]
-        if max_step is not None:
-            where.append(Checkpoint.step <= max_step)
-        if below_step is not None:
-            where.append(Checkpoint.step < below_step)
-        if before is not None:
-            where.append(Checkpoint.created_at < before)
-        page = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
-                .order_by(Checkpoint.step.desc()).limit(limit))
+        q, params = self.resume_page_query(run, max_step=max_step, before=before, below_step=below_step,
+                                           limit=limit, with_replicas=True)
         if _conn is not None:
-            return self._page_views(_conn, page)
+            return self._page_views(_conn, q, params)
         with self._ro_engine.connect() as conn, conn.begin():
-            return self._page_views(conn, page)
+            return self._page_views(conn, q, params)
 
     def resume_point(self, run: str, *, min_replicas: int = 1, max_step: int | None = None,
                      before: datetime | None = None, tag: str | None = None, page: int = 8) -> ResumeDecision:
