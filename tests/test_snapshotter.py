@@ -280,8 +280,8 @@ def test_staging_never_exceeds_the_budget_with_state_four_times_larger(tmp_path,
         snap.close()
     growth = rss.peak - rss.base
     assert snap.pool.high_water_in_use <= budget and snap.pool.high_water_allocated <= budget
-    assert snap.pool.high_water_in_use == budget  # it did use the whole pool ...
-    assert not h.stats.deferred and h.stats.backpressure_s > 0  # ... and waited for the writer
+    assert not h.stats.deferred  # the writer drained while staging went on ...
+    assert snap.pool.acquired >= size // (2 * MiB) > len(snap.pool.sizes)  # ... and buffers came back for reuse
     assert growth <= budget // MiB + 12, f"RSS grew {growth} MiB for a {budget // MiB} MiB budget"
     assert_same(expected, load(tmp_path / "nvme" / "run-a" / "1"))
 
@@ -292,9 +292,18 @@ def test_memory_floor_refuses_an_up_front_pool(tmp_path):
         Snapshotter(tmp_path, "r", budget_bytes=64 * MiB, memory_floor=0.25, meminfo=lambda: low)
 
 
-def test_memory_floor_delays_a_pool_grown_on_demand_and_reports_it(tmp_path, caplog):
+def test_memory_floor_delays_a_pool_grown_on_demand_and_reports_it(tmp_path, caplog, monkeypatch):
     total = 1000 * MiB
     snap_box: list[Snapshotter] = []
+    real = Writer._write_chunk
+
+    def after_a_refusal(self, fd, data, offset):  # the writer returns no buffer before the floor has said no
+        deadline = time.monotonic() + 30
+        while snap_box and snap_box[0].guard.refusals == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return real(self, fd, data, offset)
+
+    monkeypatch.setattr(Writer, "_write_chunk", after_a_refusal)
 
     def meminfo() -> MemInfo:  # room for 2 buffers above the floor, whatever the pool holds
         held = snap_box[0].pool.allocated_bytes if snap_box else 0

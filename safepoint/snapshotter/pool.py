@@ -90,6 +90,7 @@ class BufferPool:
         self.high_water_in_use = 0       # bytes
         self.high_water_allocated = 0    # bytes
         self.wait_s = 0.0                # time acquire() spent waiting for a buffer, cumulative
+        self.acquired = 0                # buffers handed out, cumulative (more than the pool holds: reuse)
         self.guard_wait_s = 0.0          # of which, waiting because the memory floor refused growth
         self._closed = False
         if preallocate:
@@ -169,6 +170,7 @@ class BufferPool:
                     finally:
                         self._cond.acquire()
             self._in_use_bytes += buf.nbytes
+            self.acquired += 1
             self.high_water_in_use = max(self.high_water_in_use, self._in_use_bytes)
             waited = time.perf_counter() - t0
             self.wait_s += waited
