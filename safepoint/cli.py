@@ -73,13 +73,18 @@ def cmd_ingest(args) -> int:
     if not (folder / MARKER_NAME).is_file():
         raise UsageError(f"{args.dir}: not a committed snapshot (no {MARKER_NAME}); run `safepoint commit` first")
     try:
-        LocalSnapshot.open(folder)
+        snap = LocalSnapshot.open(folder)
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
+    from safepoint import progress
+
     t0 = time.perf_counter()
-    result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+    # A transfer bar on a terminal (bytes uploaded, over every destination).
+    with progress.bar(f"ingest {snap.manifest.run}/{snap.manifest.step}", snap.manifest.total_bytes * len(args.to),
+                      err, enabled=err.is_terminal and not args.json):
+        result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
     dt = time.perf_counter() - t0
     if args.json:
         out.print_json(data=result)
@@ -171,10 +176,12 @@ def cmd_resume_point(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from safepoint import progress
     from safepoint.config import load_config
     from safepoint.pipeline import verify_url
 
-    report, where = verify_url(_catalog(args), args.url, load_config())
+    with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
+        report, where = verify_url(_catalog(args), args.url, load_config())
     good = report.outcome.value == "verified"
     (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
     return EXIT_OK if good else EXIT_BAD

@@ -192,13 +192,16 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
 
     base, run, step = parse_snapshot_url(url)
     dest = open_destination(base, config.storage_options(base))
+    from safepoint.progress import CountingDestination, hook
+
+    counted = CountingDestination(dest, hook()) if hook() else dest  # feeds the CLI's progress bar
     try:
         snap_url = dest.snapshot_url(run, step)
         if dest.read_control(run, step, MARKER_NAME) is None:
             report = VerifyReport(error=f"{snap_url}: no COMMITTED marker (replica missing or partial)")
             state = RS.MISSING
         else:
-            report = verify_replica(dest, run, step)
+            report = verify_replica(counted, run, step)  # type: ignore[arg-type]
             state = {CS.VERIFIED: RS.VERIFIED, CS.INCOMPLETE: RS.MISSING}.get(report.outcome, RS.CORRUPT)
     finally:
         dest.close()

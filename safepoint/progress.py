@@ -50,3 +50,20 @@ def bar(description: str, total_bytes: int | None, console: Console | None = Non
             yield advance
         finally:
             _hook = previous
+
+
+class CountingDestination:
+    """A destination proxy that reports each file's size to `hook` once it has been hashed back."""
+
+    def __init__(self, inner: object, hook: Hook):
+        self._inner = inner
+        self._hook = hook
+
+    def digest(self, run: str, step: int, relpath: str) -> str:
+        out = self._inner.digest(run, step, relpath)  # type: ignore[attr-defined]
+        size = self._inner.size(run, step, relpath)  # type: ignore[attr-defined]
+        self._hook(size or 0)
+        return out
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)

@@ -112,25 +112,31 @@ def state_of(stack, run, step):
     return row.state.value if row else None
 
 
-def flow_runs(stack) -> list:
+def api(stack, coro_fn: Callable[..., object]) -> object:
+    """Run `coro_fn(client)` against the module's server (its env set only for the call)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
-    async def read():
+    async def go():
         async with get_client() as c:
-            return await c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["safepoint-ingest"])),
-                                          limit=200)
+            return await coro_fn(c)
 
     old = {k: os.environ.get(k) for k in stack.server.env()}
     os.environ.update(stack.server.env())
     try:
-        return asyncio.run(read())
+        return asyncio.run(go())
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def flow_runs(stack) -> list:
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    return api(stack, lambda c: c.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=["safepoint-ingest"])), limit=200))
 
 
 def write_snapshot(root: Path, run: str, step: int) -> Path:
@@ -220,3 +226,43 @@ def test_three_nodes_six_ranks_and_a_killed_node(stack):
              lambda: all(r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs(stack)),
              60, stack)
     assert all(r.state_type.value == "COMPLETED" for r in flow_runs(stack))
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_prefect_deploy_all_with_a_process_worker(stack):
+    """prefect.yaml as documented: a process work pool, `prefect deploy --all`, a worker; an event ingests.
+
+    Runs last in the module: the yaml's `ingest` replaces the served deployment of the same name,
+    so `safepoint serve` is stopped first and the worker is the only thing that runs flows.
+    """
+    stop_group(stack.procs[0])  # safepoint serve
+    env = dict(stack.env(), SAFEPOINT_SOURCE_DIR=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1")
+
+    def prefect(*args: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p.stdout
+
+    prefect("work-pool", "create", "safepoint", "--type", "process")
+    prefect("deploy", "--all")
+    deps = {d.name: d for d in api(stack, lambda c: c.read_deployments())}
+    autos = api(stack, lambda c: c.read_automations())
+    assert {"ingest", "retention", "scrub", "completeness"} <= set(deps)
+    assert all(deps[n].work_pool_name == "safepoint" for n in ("ingest", "retention", "scrub", "completeness"))
+    assert deps["scrub"].schedules and deps["completeness"].schedules and deps["retention"].schedules
+    (auto,) = [a for a in autos if any(getattr(act, "deployment_id", None) == deps["ingest"].id
+                                       for act in a.actions)]
+    assert auto.trigger.expect == {"safepoint.checkpoint.committed"}
+
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "safepoint",
+                               "--type", "process"], env=env, cwd=REPO, start_new_session=True,
+                              stdout=open(stack.base / "worker.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    stack.procs.append(worker)
+    root = stack.base / "pool"
+    stack.watch(root, "pooled")
+    write_snapshot(root, "wp", 1)
+    wait_for("wp/1 verified through the process worker", lambda: state_of(stack, "wp", 1) == "verified", 180,
+             stack, "watch-pooled", "worker")
