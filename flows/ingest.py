@@ -28,6 +28,7 @@ from safepoint.snapshot import LocalSnapshot
 from safepoint.states import CheckpointState as CS
 from safepoint.states import ReplicaState as RS
 from tasks import ingest as t
+from tasks.repair import reconcile_snapshot
 
 
 def _fmt_bytes(n: float) -> str:
@@ -103,6 +104,9 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
             check_part(snap.manifest)
     except FormatError as e:
         logger.error("not ingesting %s: %s", snapshot, e)
+        from safepoint.reconcile import quarantine
+
+        quarantine(open_catalog(catalog_url), snapshot, str(e))  # corrupt in the catalog: watchers stop retrying
         raise
     catalog = open_catalog(catalog_url)
     part = is_part(snap.manifest)
@@ -114,6 +118,8 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
         return _result(out)
 
     with MemorySampler() as mem:
+        # Repair what a crashed earlier attempt left at these destinations (scoped, cheap).
+        reconcile_snapshot(catalog_url, snap.manifest.run, snap.manifest.step, to, config)
         checkpoint_id = t.register(catalog_url, snap)
         futures = [t.replicate.submit(catalog_url, checkpoint_id, snap, url, config) for url in to]
         results = [f.result() for f in futures]
