@@ -250,3 +250,37 @@ def test_reserved_prefix_is_refused(tmp_path, catalog, cfg):
     with pytest.raises(FormatError, match="must not lie under"):
         ingest(folder, [(tmp_path / "d").as_uri()], catalog, cfg)
     assert catalog.get("mn", 1) is None
+
+
+def test_flows_parts_then_completeness(tmp_path, prefect_api, sqlite_catalog_url, sqlite_catalog, monkeypatch):
+    """The same rules through the Prefect flows: ingest per part, then the periodic completeness flow."""
+    from flows.completeness import check_completeness
+    from flows.ingest import ingest as ingest_flow
+    from safepoint.pipeline import register
+    from safepoint.snapshot import LocalSnapshot
+
+    monkeypatch.setenv("SAFEPOINT_MULTINODE_TIMEOUT_S", "600")
+    durable = (tmp_path / "durable").as_uri()
+    states = [ingest_flow(snapshot=str(make_part(tmp_path, "fl", 1, n, r)), to=[durable],
+                          catalog_url=sqlite_catalog_url)["state"] for n, r in NODES.items()]
+    assert states == ["replicating", "replicating", "verified"]
+    done = sqlite_catalog.events(sqlite_catalog.get("fl", 1).id, kind="ingest.done")
+    assert [d["detail"]["part"] for d in done] == ["0", "2", "4"]
+    assert [d["detail"]["state"] for d in done] == states
+
+    # Step 2: every part committed at the destination, but the last ingest died before assembling.
+    for n in ("n0", "n1"):
+        ingest_flow(snapshot=str(make_part(tmp_path, "fl", 2, n, NODES[n])), to=[durable],
+                    catalog_url=sqlite_catalog_url)
+    snap = LocalSnapshot.open(make_part(tmp_path, "fl", 2, "n2", NODES["n2"]))
+    row = register(sqlite_catalog, snap)
+    assemble.replicate_part_to(sqlite_catalog, row.id, snap, durable, Config())
+    # Step 3: a node never delivers.
+    ingest_flow(snapshot=str(make_part(tmp_path, "fl", 3, "n0", NODES["n0"])), to=[durable],
+                catalog_url=sqlite_catalog_url)
+    assert check_completeness(catalog_url=sqlite_catalog_url) == [
+        {"run": "fl", "step": 2, "state": "verified", "missing_ranks": []}]
+    monkeypatch.setenv("SAFEPOINT_MULTINODE_TIMEOUT_S", "0")
+    assert check_completeness(catalog_url=sqlite_catalog_url) == [
+        {"run": "fl", "step": 3, "state": "incomplete", "missing_ranks": [2, 3, 4, 5]}]
+    assert resume_point(sqlite_catalog.list_checkpoints("fl")).chosen.step == 2
