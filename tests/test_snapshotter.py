@@ -164,6 +164,24 @@ def test_a_committed_step_is_never_overwritten(tmp_path):
     assert torch.equal(load(tmp_path / "nvme" / "run-a" / "3")["w"], torch.ones(4))
 
 
+def test_a_step_in_flight_is_not_saved_twice(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = Writer._write_chunk
+
+    def held(self, fd, data, offset):
+        gate.wait(30)
+        return real(self, fd, data, offset)
+
+    monkeypatch.setattr(Writer, "_write_chunk", held)
+    with snapshotter(tmp_path) as snap:
+        h = snap.save(4, {"w": torch.ones(3)})
+        with pytest.raises(SnapshotError, match="already being saved"):
+            snap.save(4, {"w": torch.zeros(3)})
+        gate.set()
+        h.wait()
+    assert torch.equal(load(tmp_path / "nvme" / "run-a" / "4")["w"], torch.ones(3))
+
+
 # ---------------------------------------------------------------------------------- isolation
 
 @pytest.mark.parametrize("budget", [64 * MiB, 2 * MiB], ids=["budget>=state", "budget<state"])

@@ -219,6 +219,8 @@ class Snapshotter:
             folder = self.folder(step)
             if (folder / MARKER_NAME).exists():
                 raise SnapshotError(f"{folder} is already committed; refusing to overwrite a committed snapshot")
+            if any(h.step == step and not h.done() for h in self._handles):
+                raise SnapshotError(f"step {step} is already being saved; wait for it first")
             flat = flatten(state)
             header_meta = {
                 "format": META_FORMAT, "format_version": META_VERSION, "structure_version": str(STRUCTURE_VERSION),
@@ -272,18 +274,20 @@ class Snapshotter:
         step = job.stats.step
         meta = {"writer": "safepoint.Snapshotter", **(meta or {})}
         if self.world_size == 1:
-            return commit(job.folder, self.run, step, parent=parent, world_size=1, meta=meta, files=[entry])
-        write_done(job.folder, self.rank, self.world_size, self.session, [entry])
-        if self.rank == self.committer_rank:
+            entries = [entry]
+        else:
+            write_done(job.folder, self.rank, self.world_size, self.session, [entry])
+            if self.rank != self.committer_rank:
+                return wait_for_marker(job.folder, self.commit_timeout_s, entry) if self.wait_for_commit else None
             entries = wait_for_ranks(job.folder, self.world_size, self.session, self.commit_timeout_s)
-            manifest = commit(job.folder, self.run, step, parent=parent, world_size=self.world_size, meta=meta,
-                              files=entries)
-            for r in range(self.world_size):
-                remove_done(job.folder, r)
-            return manifest
-        if self.wait_for_commit:
-            return wait_for_marker(job.folder, self.commit_timeout_s, entry)
-        return None
+        manifest = commit(job.folder, self.run, step, parent=parent, world_size=self.world_size, meta=meta,
+                          files=entries)
+        if not set(entries) <= set(manifest.files):  # someone else committed this folder meanwhile
+            raise SnapshotError(f"{job.folder} was committed by another writer with other bytes; "
+                                "this save is not part of it")
+        for r in range(self.world_size if self.world_size > 1 else 0):
+            remove_done(job.folder, r)
+        return manifest
 
     # -- lifecycle ----------------------------------------------------------------------------
 
