@@ -67,6 +67,13 @@ def _scan(root: Path) -> list[str]:
     return files
 
 
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
 def _hash_and_sync(path: Path) -> tuple[int, str]:
     size, digest = hash_path(path)
     fsync_path(path)
@@ -104,6 +111,7 @@ def commit(
         if (existing.run, existing.step) != (run, step):
             raise CommitError(f"{folder}: already committed as {existing.run}/{existing.step}")
         return existing
+    ours: bytes | None = None
     try:
         names = _scan(root)
         if files is None:
@@ -124,10 +132,15 @@ def commit(
         write_durably(root, MANIFEST_NAME, manifest_bytes)
         for dirpath, _dirs, _files in os.walk(root):
             fsync_path(Path(dirpath), directory=True)
-        write_durably(root, MARKER_NAME, marker_for(manifest_bytes, manifest).to_json_bytes())
+        ours = marker_for(manifest_bytes, manifest).to_json_bytes()
+        write_durably(root, MARKER_NAME, ours)
     except (OSError, FormatError) as e:
         for name in (MANIFEST_NAME, MARKER_NAME):
             (root / f"{TMP_PREFIX}{name}").unlink(missing_ok=True)
+        # A marker renamed into place before a failed fsync of the folder is of unknown durability:
+        # it must not stand, or the "nothing was committed" below would be a lie.
+        if ours is not None and _read_or_none(root / MARKER_NAME) == ours:
+            (root / MARKER_NAME).unlink(missing_ok=True)
         if not (root / MARKER_NAME).exists():
             (root / MANIFEST_NAME).unlink(missing_ok=True)
         msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)

@@ -15,7 +15,7 @@ from catalog.store import Catalog
 from catalog.views import CheckpointRow
 from safepoint.config import Config
 from safepoint.destinations import open_destination
-from safepoint.errors import CatalogError, FormatError
+from safepoint.errors import CatalogError, FormatError, SafepointError
 from safepoint.format import MARKER_NAME
 from safepoint.redact import redact
 from safepoint.replicate import Progress, ReplicaResult, replicate, verify_replica
@@ -74,7 +74,13 @@ def replicate_to(
         snap_url = dest.snapshot_url(snap.manifest.run, snap.manifest.step)
         catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
         for _ in range(max(1, attempts)):
-            result = replicate(snap, dest, progress=progress)
+            try:
+                result = replicate(snap, dest, progress=progress)
+            except (OSError, SafepointError) as e:
+                # Disk full, EIO, a network that gave up: never leave the replica `pending`. The
+                # caller (a Prefect retry, the next ingest) sends it again; nothing is trusted.
+                catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.FAILED, error=_why(e))
+                raise
             if result.state is not RS.CORRUPT:
                 break
             # Remove what read back wrong so the next attempt uploads it again.
@@ -87,6 +93,19 @@ def replicate_to(
         return result
     finally:
         dest.close()
+
+
+def _why(e: BaseException) -> str:
+    return redact(e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def _replicate_or_fail(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
+                       config: Config) -> ReplicaResult:
+    """replicate_to, with an I/O failure as a failed result (already recorded) instead of an exception."""
+    try:
+        return replicate_to(catalog, checkpoint_id, snap, url, config)
+    except (OSError, SafepointError) as e:
+        return ReplicaResult(url=url, destination=url, state=RS.FAILED, error=f"{redact(url)}: {_why(e)}")
 
 
 def settle_replication(catalog: Catalog, checkpoint_id: int, results: list[ReplicaResult]) -> CS:
@@ -150,7 +169,13 @@ def ingest(folder: str | Path, destinations: list[str], catalog: Catalog, config
            *, model: str | None = None) -> IngestOutcome:
     """The whole pipeline without Prefect (the flow runs the same steps as tasks)."""
     config = config or Config()
-    snap = LocalSnapshot.open(folder)
+    try:
+        snap = LocalSnapshot.open(folder)
+    except FormatError as e:
+        from safepoint.reconcile import quarantine
+
+        quarantine(catalog, folder, str(e))  # corrupt in the catalog, so watchers stop retrying it
+        raise
     from safepoint.parts import is_part
 
     if is_part(snap.manifest):  # one node's part of a multi-node checkpoint (safepoint.assemble)
@@ -159,7 +184,7 @@ def ingest(folder: str | Path, destinations: list[str], catalog: Catalog, config
         ingest_part(folder, destinations, catalog, config, model=model)
         return outcome(catalog, catalog.get(snap.manifest.run, snap.manifest.step).id)
     row = register(catalog, snap)
-    results = [replicate_to(catalog, row.id, snap, url, config) for url in destinations]
+    results = [_replicate_or_fail(catalog, row.id, snap, url, config) for url in destinations]
     state = settle_replication(catalog, row.id, results)
     if state is CS.REPLICATED:
         validate_checkpoint(catalog, row.id, snap, model=model or config.run_setting(snap.manifest.run, "model"),

@@ -716,9 +716,10 @@ def _candidates(catalog: Catalog, row: CheckpointRow, config: Config, exclude: s
 @contextmanager
 def _open_local(path: str) -> Iterator[LocalSnapshot | None]:
     try:
-        yield LocalSnapshot.open(path)
+        snap: LocalSnapshot | None = LocalSnapshot.open(path)
     except (FormatError, OSError):
-        yield None
+        snap = None
+    yield snap
 
 
 @contextmanager

@@ -59,7 +59,13 @@ class LocalDestination(FsspecDestination):
                     tmp.unlink(missing_ok=True)
             else:
                 os.replace(tmp, dst)
-            fsync_path(dst.parent, directory=True)
+            try:
+                fsync_path(dst.parent, directory=True)
+            except OSError:
+                # Its durability is unknown after a failed fsync: it must not stand (a marker
+                # left here would commit a replica the caller reports as failed).
+                dst.unlink(missing_ok=True)
+                raise
         finally:
             tmp.unlink(missing_ok=True)
         return True
