@@ -201,6 +201,7 @@ def evict(catalog, root: str | os.PathLike[str], *, high_water: float = 0.85, lo
           capacity_bytes: int | None = None, min_replicas: int = 1, keep_newest: int = 1,
           dry_run: bool = False) -> EvictionResult:
     """Measure `root`, plan, and (unless `dry_run`) delete the chosen local copies."""
+    root = Path(root).resolve()  # the catalog holds resolved paths (safepoint commit resolves them)
     copies = [c for c in catalog.local_copies(root) if Path(c.path).is_dir()]
     sizes = {c.path: folder_bytes(c.path) for c in copies}
     p = plan_eviction(copies, sizes, measure(root, capacity_bytes), high_water=high_water, low_water=low_water,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from catalog.store import Catalog
 from catalog.views import CheckpointView
@@ -62,7 +63,7 @@ def delete_copies(catalog: Catalog, c: CheckpointView, config: Config) -> list[s
     paths = {c.local_path}
     if c.world_size > 1:  # parts of a multi-node checkpoint may sit in other folders on this host
         paths |= {x["local_path"] for x in catalog.ranks(c.id)}
-    for path in sorted(p for p in paths if p):
+    for path in sorted(p for p in paths if p and Path(p).is_dir()):
         files = files if files is not None else catalog.file_paths(c.id)
         try:
             remove_local_snapshot(path, c.run, c.step, files)
