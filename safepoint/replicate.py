@@ -121,6 +121,10 @@ def replicate(
                 result.state = ReplicaState.FAILED
                 result.error = f"{result.url} was committed concurrently with a different manifest"
                 return result
+    elif dest.read_control(m.run, m.step, MANIFEST_NAME) != snap.manifest_bytes:
+        # Our marker, but the manifest it binds is gone or damaged: a marker without a manifest is
+        # a corrupt replica, never a verified one. Restore the exact bytes the marker binds.
+        dest.write_control(m.run, m.step, MANIFEST_NAME, snap.manifest_bytes)
     result.state = ReplicaState.VERIFIED
     return result
 
