@@ -195,16 +195,22 @@ def cmd_validate(args) -> int:
         raise UsageError("validate works on a local snapshot folder or file:// URL")
     if not Path(path).is_dir():
         raise UsageError(f"{path}: not a directory")
-    files = None
+    files, run, step = None, None, None
+    from safepoint.config import load_config
     from safepoint.snapshot import LocalSnapshot
+    from safepoint.validation_settings import ValidationSettings
 
     try:
-        files = [f.path for f in LocalSnapshot.open(path).manifest.files]
+        manifest = LocalSnapshot.open(path).manifest
+        files, run, step = [f.path for f in manifest.files], manifest.run, manifest.step
     except SafepointError:
         pass
-    report = validate_snapshot(path, files)
+    settings = ValidationSettings.from_config(load_config(), run, model=args.model)
+    report = validate_snapshot(path, files, settings=settings, step=step)
     for f in report.findings:
         err.print(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
+    for f in report.warnings:
+        err.print(f"  warning: {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
     (out if report.ok else err).print(f"{path}: {report.outcome}: {report.summary()}")
     return EXIT_OK if report.ok else EXIT_BAD
 
@@ -302,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("validate", help="dry-run load validation of a snapshot folder")
     s.add_argument("url")
+    s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.set_defaults(fn=cmd_validate)
 
     s = sub.add_parser("prune", help="apply retention (invariants: the newest verified and at least two "

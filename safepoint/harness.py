@@ -24,12 +24,15 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from safepoint.errors import UsageError
 from safepoint.loaders.base import Problem, one_line
@@ -133,11 +136,54 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_T = torch.Tensor
+_INIT_METHODS = frozenset({_T.normal_, _T.uniform_, _T.bernoulli_, _T.cauchy_, _T.exponential_, _T.geometric_,
+                           _T.log_normal_, _T.random_, _T.zero_, _T.fill_})
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Initializers (torch.nn.init.*, Tensor.normal_/uniform_/zero_/...) do nothing on meta tensors.
+
+    Meta tensors have no data, so skipping them changes nothing; running them costs seconds, because
+    torch implements several of them on meta with Python references that import torch._dynamo.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if isinstance(t, torch.Tensor) and t.is_meta and (
+                func in _INIT_METHODS or getattr(func, "__module__", None) == "torch.nn.init"):
+            return t
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _cheap_construction() -> Iterator[None]:
+    """Build a model and optimizer on meta without importing torch._dynamo (2-4 s on a busy 2-core host).
+
+    Nothing here is ever compiled, but torch imports dynamo the first time an optimizer is built
+    (`Optimizer.add_param_group` is wrapped in `torch._disable_dynamo`, which imports dynamo lazily)
+    and the first time some initializers run on meta. For the factory call only, initializers on
+    meta tensors are skipped and add_param_group is called unwrapped; both are restored after.
+    """
+    opt_cls = torch.optim.Optimizer
+    wrapped = opt_cls.__dict__.get("add_param_group")
+    raw = getattr(wrapped, "__wrapped__", None) if "torch._dynamo" not in sys.modules else None
+    if raw is not None:
+        opt_cls.add_param_group = raw  # type: ignore[method-assign]
+    try:
+        with _SkipInitOnMeta():
+            yield
+    finally:
+        if raw is not None:
+            opt_cls.add_param_group = wrapped  # type: ignore[method-assign]
+
+
 def build_harness(spec: str, device: str = "meta") -> Harness:
     """Call the factory (on `device`, meta by default) and record what its model and optimizer expect."""
     factory = load_factory(spec)
     try:
-        with torch.device(device):
+        with torch.device(device), _cheap_construction():
             built = factory(device=device) if _takes_device(factory) else factory()
     except Exception as e:
         raise HarnessError(f"model factory {spec!r} failed: {one_line(e)}") from None

@@ -342,3 +342,45 @@ def test_tensor_stat_chunks_match_whole() -> None:
 def test_missing_folder_is_data_not_exception(tmp_path: Path) -> None:
     report = validate_snapshot(tmp_path / "nope")
     assert report.outcome == "incomplete" and not report.ok
+
+
+# ---------------------------------------------------------------------------------------- streaming leaves
+
+def test_leaf_names_are_the_same_for_torch_save_and_dcp(dcp_folder: Path, tmp_path: Path) -> None:
+    """One naming for every format (DCP's flattening), so the harness and the audit see the same names."""
+    from safepoint.loaders import TensorSource, iter_file_leaves
+
+    make_torch_save_ckpt(tmp_path)
+    pt = dict(iter_file_leaves(tmp_path / "model.pt"))
+    dcp = dict(iter_file_leaves(dcp_folder))
+    assert pt["optimizer.param_groups.0.params"] == dcp["optimizer.param_groups.0.params"] == [0, 1, 2, 3]
+    assert pt["optimizer.param_groups.0.betas"] == dcp["optimizer.param_groups.0.betas"]
+    shared = {k for k in pt if not k.startswith("extra.") and k != "step"}
+    assert shared == {k for k in dcp if not k.startswith("extra.")}
+    for k in shared:
+        assert isinstance(pt[k], TensorSource) == isinstance(dcp[k], TensorSource), k
+        if isinstance(pt[k], TensorSource):
+            assert (pt[k].shape, pt[k].dtype) == (dcp[k].shape, dcp[k].dtype), k
+
+
+def test_safetensors_pieces_reuse_one_buffer(tmp_path: Path) -> None:
+    from safepoint.loaders import iter_file_leaves
+
+    make_safetensors_ckpt(tmp_path)
+    leaves = iter_file_leaves(tmp_path / "model.safetensors")
+    ptrs = set()
+    for _name, src in leaves:
+        for piece in src.pieces(8):
+            ptrs.add(piece.data_ptr())
+    assert len(ptrs) == 1  # every piece of every tensor was read into the same memory
+
+
+def test_cli_validate_with_model_checks_the_manifest_step(tmp_path: Path, capsys) -> None:
+    from safepoint.cli import main
+    from safepoint.commit import commit
+
+    make_torch_save_ckpt(tmp_path)  # records "step": 2
+    commit(tmp_path, "cli", 100)
+    assert main(["validate", str(tmp_path)]) == 0
+    assert main(["validate", str(tmp_path), "--model", "tests.test_harness:model_and_adamw"]) == 1
+    assert "the checkpoint records step 2, the catalog says step 100" in capsys.readouterr().err
