@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -162,7 +163,11 @@ def _child(cmd: dict[str, Any]) -> int:
     if cmd.get("trace") or cmd.get("kill_at") is not None:
         tracer.install()
     phase = Phases(cmd.get("phase_file"))
-    result = OPS[cmd["op"]](**cmd.get("args", {}), phase=phase)
+    args = dict(cmd.get("args", {}))
+    start_at = args.pop("start_at", None)  # a wall-clock barrier, so that racing children start together
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+    result = OPS[cmd["op"]](**args, phase=phase)
     result["events"] = tracer.count
     if cmd.get("result"):
         Path(cmd["result"]).write_text(json.dumps(result, default=str))

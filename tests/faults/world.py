@@ -106,9 +106,9 @@ class ForkServer:
             raise RuntimeError(f"driver exited; log: {self.log_tail()}")
         return json.loads(line)
 
-    def run(self, op: str, args: dict[str, Any], *, kill_after_s: float | None = None, kill_at: int | None = None,
-            after: bool = False, trace: bool = False, timeout: float = 120) -> Ran:
-        """Run `op` in a fresh child; SIGKILL it after `kill_after_s`, or at its event `kill_at`."""
+    def start(self, op: str, args: dict[str, Any], *, kill_at: int | None = None, after: bool = False,
+              trace: bool = False) -> dict[str, Any]:
+        """Start `op` in a fresh child and return at once (with its pid); `finish` waits for it."""
         self._n += 1
         phase_file = self.workdir / f"phase-{self._n}"
         result_file = self.workdir / f"result-{self._n}.json"
@@ -119,12 +119,22 @@ class ForkServer:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
         pid = self._read(timeout=30)["pid"]
+        return {"op": op, "pid": pid, "t0": t0, "phase_file": phase_file, "result_file": result_file}
+
+    def run(self, op: str, args: dict[str, Any], *, kill_after_s: float | None = None, kill_at: int | None = None,
+            after: bool = False, trace: bool = False, timeout: float = 120) -> Ran:
+        """Run `op` in a fresh child; SIGKILL it after `kill_after_s`, or at its event `kill_at`."""
+        h = self.start(op, args, kill_at=kill_at, after=after, trace=trace)
         if kill_after_s is not None:
             time.sleep(kill_after_s)
             try:
-                os.kill(pid, 9)
+                os.kill(h["pid"], 9)
             except ProcessLookupError:
                 pass
+        return self.finish(h, timeout=timeout)
+
+    def finish(self, h: dict[str, Any], timeout: float = 120) -> Ran:
+        op, pid, t0, phase_file, result_file = h["op"], h["pid"], h["t0"], h["phase_file"], h["result_file"]
         done = self._read(timeout=timeout)
         assert done["pid"] == pid
         seconds = time.perf_counter() - t0
