@@ -153,7 +153,17 @@ def op_crash_before_catalog(*, folder: str, dest: str, catalog_url: str, phase: 
     return op_ingest(folder=folder, dest=dest, catalog_url=catalog_url, phase=phase)
 
 
-OPS = {"lifecycle": op_lifecycle, "ingest": op_ingest, "prune": op_prune,
+def op_ingest_hostile(*, folder: str, dest: str, catalog_url: str, phase: Phases) -> dict[str, Any]:
+    """Ingest a checkpoint someone handed us: a refusal is a result, not a crash."""
+    from safepoint.errors import SafepointError
+
+    try:
+        return op_ingest(folder=folder, dest=dest, catalog_url=catalog_url, phase=phase)
+    except SafepointError as e:
+        return {"state": None, "error": f"{type(e).__name__}: {e}"}
+
+
+OPS = {"lifecycle": op_lifecycle, "ingest_hostile": op_ingest_hostile, "ingest": op_ingest, "prune": op_prune,
        "crash_before_catalog": op_crash_before_catalog}
 
 
@@ -167,8 +177,13 @@ def _child(cmd: dict[str, Any]) -> int:
     start_at = args.pop("start_at", None)  # a wall-clock barrier, so that racing children start together
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.time()))
+    import resource
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = OPS[cmd["op"]](**args, phase=phase)
     result["events"] = tracer.count
+    # Peak resident memory this operation added (KiB; ru_maxrss starts at the parent's at fork).
+    result["peak_rss_growth_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
     if cmd.get("result"):
         Path(cmd["result"]).write_text(json.dumps(result, default=str))
     return 0
