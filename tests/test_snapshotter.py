@@ -153,6 +153,8 @@ def test_unsupported_values_are_refused_before_anything_is_written(tmp_path):
             loop: list = []
             loop.append(loop)
             snap.save(1, {"x": loop})
+        with pytest.raises(SnapshotError, match="meta must be plain JSON"):
+            snap.save(1, {"w": torch.ones(1)}, meta={"when": object()})
     assert not (tmp_path / "nvme" / "run-a" / "1").exists()
 
 

@@ -221,6 +221,13 @@ class Snapshotter:
                 raise SnapshotError(f"{folder} is already committed; refusing to overwrite a committed snapshot")
             if any(h.step == step and not h.done() for h in self._handles):
                 raise SnapshotError(f"step {step} is already being saved; wait for it first")
+            if parent is not None:
+                check_run(parent[0])
+                check_step(parent[1])
+            try:
+                json.dumps(meta or {}, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise SnapshotError(f"meta must be plain JSON: {e}") from None
             flat = flatten(state)
             header_meta = {
                 "format": META_FORMAT, "format_version": META_VERSION, "structure_version": str(STRUCTURE_VERSION),
