@@ -194,7 +194,8 @@ def run_child(args: list[str]) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"contender {args} failed with exit code {p.returncode}")
     result = json.loads(out.decode().strip().splitlines()[-1])
-    result.update(wall_s=wall, peak_rss_bytes=result["vm_hwm"], ru_maxrss_bytes=rusage.ru_maxrss * 1024)
+    result.update(wall_s=wall, cpu_s=rusage.ru_utime + rusage.ru_stime, peak_rss_bytes=result["vm_hwm"],
+                  ru_maxrss_bytes=rusage.ru_maxrss * 1024)
     return result
 
 
@@ -245,7 +246,7 @@ def main() -> int:
             child = ["--child", name, "--path", str(path if name == "seeds" else folder)]
             res = run_child(child)
             runs[name].append(res)
-            print(f"  round {r + 1} {name:9s}: {res['wall_s']:6.2f} s, "
+            print(f"  round {r + 1} {name:9s}: {res['wall_s']:6.2f} s (CPU {res['cpu_s']:5.2f} s), "
                   f"peak RSS {res['peak_rss_bytes'] / GiB:5.2f} GiB (ru_maxrss {res['ru_maxrss_bytes'] / GiB:.2f}), "
                   "phases "
                   f"{', '.join(f'{k} {v:.2f}' for k, v in res['phases'].items())}", flush=True)
@@ -264,21 +265,23 @@ def main() -> int:
     for name, covers in (("seeds", "SHA-256 + torch.load + NaN/Inf over model only"),
                          ("safepoint", "model + optimizer: NaN/Inf, norm, max|x|; strict load vs factory")):
         x = runs[name][-1]
-        rows.append((name, med(name, "wall_s"), best(name, "wall_s"), max(r["peak_rss_bytes"] for r in runs[name]),
-                     x["bytes_checked"], x["tensors"], covers))
+        rows.append((name, med(name, "wall_s"), best(name, "wall_s"), med(name, "cpu_s"),
+                     max(r["peak_rss_bytes"] for r in runs[name]), x["bytes_checked"], x["tensors"], covers))
     print()
-    print(f"| contender | wall s (median of {args.repeat}) | wall s (best) | peak RSS GiB (max) | bytes checked "
-          "| tensors | coverage |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for name, m, b, rss, nbytes, n, covers in rows:
-        print(f"| {name} | {m:.2f} | {b:.2f} | {rss / GiB:.2f} | {nbytes / GiB:.2f} GiB | {n} | {covers} |")
+    print(f"| contender | wall s (median of {args.repeat}) | wall s (best) | CPU s (median) | peak RSS GiB (max) "
+          "| bytes checked | tensors | coverage |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for name, m, b, cpu, rss, nbytes, n, covers in rows:
+        print(f"| {name} | {m:.2f} | {b:.2f} | {cpu:.2f} | {rss / GiB:.2f} | {nbytes / GiB:.2f} GiB | {n} | {covers} |")
     speed = med("seeds", "wall_s") / med("safepoint", "wall_s")
     rss = max(r["peak_rss_bytes"] for r in runs["safepoint"])
     print()
-    print(f"speed-up (median wall, seeds / safepoint): {speed:.2f}x  (target >= 3x)")
+    print(f"speed-up (median wall, seeds / safepoint): {speed:.2f}x  (target >= 3x); best wall: "
+          f"{best('seeds', 'wall_s') / best('safepoint', 'wall_s'):.2f}x; CPU time: "
+          f"{med('seeds', 'cpu_s') / med('safepoint', 'cpu_s'):.2f}x")
     print(f"safepoint peak RSS: {rss / GiB:.2f} GiB  (target <= 1 GiB); seeds: "
           f"{max(r['peak_rss_bytes'] for r in runs['seeds']) / GiB:.2f} GiB")
-    print(f"coverage: safepoint checked {rows[1][4] / rows[0][4]:.1f}x the bytes the seeds' verifier checked "
+    print(f"coverage: safepoint checked {rows[1][5] / rows[0][5]:.1f}x the bytes the seeds' verifier checked "
           f"({sp['optimizer_tensors']} optimizer tensors); harness: {json.dumps(sp['harness'])}")
     if args.json:
         doc = {"info": info, "cold": args.cold, "runs": runs, "speedup": speed}
