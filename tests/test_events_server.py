@@ -113,23 +113,15 @@ def state_of(stack, run, step):
 
 
 def api(stack, coro_fn: Callable[..., object]) -> object:
-    """Run `coro_fn(client)` against the module's server (its env set only for the call)."""
-    from prefect.client.orchestration import get_client
+    """Run `coro_fn(client)` against the module's server (not whatever this process is set up for,
+    e.g. the session's test harness)."""
+    from prefect.client.orchestration import PrefectClient
 
     async def go():
-        async with get_client() as c:
+        async with PrefectClient(api=stack.server.url) as c:
             return await coro_fn(c)
 
-    old = {k: os.environ.get(k) for k in stack.server.env()}
-    os.environ.update(stack.server.env())
-    try:
-        return asyncio.run(go())
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return asyncio.run(go())
 
 
 def flow_runs(stack) -> list:
