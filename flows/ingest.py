@@ -106,7 +106,10 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
         logger.error("not ingesting %s: %s", snapshot, e)
         from safepoint.reconcile import quarantine
 
-        quarantine(open_catalog(catalog_url), snapshot, str(e))  # corrupt in the catalog: watchers stop retrying
+        row = quarantine(open_catalog(catalog_url), snapshot, str(e))  # corrupt in the catalog
+        if row is not None:  # an event-driven watcher waits for this record, whatever the outcome
+            t.record_done(catalog_url, row.id, {"event_id": event_id, "snapshot": snapshot, "run": row.run,
+                                                "step": row.step, "state": str(row.state), "error": redact(str(e))})
         raise
     catalog = open_catalog(catalog_url)
     part = is_part(snap.manifest)

@@ -284,3 +284,22 @@ def test_flows_parts_then_completeness(tmp_path, prefect_api, sqlite_catalog_url
     assert check_completeness(catalog_url=sqlite_catalog_url) == [
         {"run": "fl", "step": 3, "state": "incomplete", "missing_ranks": [2, 3, 4, 5]}]
     assert resume_point(sqlite_catalog.list_checkpoints("fl")).chosen.step == 2
+
+
+def test_refused_part_through_the_flow_is_recorded_for_the_watcher(tmp_path, prefect_api, sqlite_catalog_url,
+                                                                  sqlite_catalog):
+    """A part the flow refuses ends with `ingest.done` too, so its watcher stops re-dispatching it."""
+    from flows.ingest import ingest as ingest_flow
+    from safepoint.events import Marker, ingest_finished
+    from safepoint.snapshot import LocalSnapshot
+
+    folder = tmp_path / "n0" / "x"
+    (folder / ".safepoint").mkdir(parents=True)
+    (folder / ".safepoint" / "parts").write_bytes(b"x")
+    commit(folder, "rf", 1, world_size=2, ranks=[0], node="n0")
+    marker = Marker.of(LocalSnapshot.open(folder), ["file:///d"], "n0")
+    with pytest.raises(FormatError):
+        ingest_flow(snapshot=str(folder), to=[(tmp_path / "d").as_uri()], catalog_url=sqlite_catalog_url,
+                    event_id=marker.event_id)
+    assert sqlite_catalog.get("rf", 1).state is CS.CORRUPT
+    assert ingest_finished(sqlite_catalog, marker)["state"] == "corrupt"
