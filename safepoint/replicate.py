@@ -96,7 +96,8 @@ def replicate(
             progress(entry.size)
         return out
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    # Many small files are bound by per-object latency (fsync, requests), not bandwidth: overlap more.
+    with ThreadPoolExecutor(max_workers=max(1, workers, min(16, len(m.files) // 64))) as pool:
         for entry, (loc, rem, up, reused) in zip(m.files, pool.map(one, m.files)):
             result.local[entry.path] = loc
             result.remote[entry.path] = rem

@@ -163,8 +163,25 @@ def op_ingest_hostile(*, folder: str, dest: str, catalog_url: str, phase: Phases
         return {"state": None, "error": f"{type(e).__name__}: {e}"}
 
 
-OPS = {"lifecycle": op_lifecycle, "ingest_hostile": op_ingest_hostile, "ingest": op_ingest, "prune": op_prune,
-       "crash_before_catalog": op_crash_before_catalog}
+def op_commit_ingest(*, folder: str, run: str, step: int, dest: str, catalog_url: str, phase: Phases
+                     ) -> dict[str, Any]:
+    """Commit then ingest, timing each (the 100,000-file case)."""
+    from catalog.store import open_catalog
+    from safepoint import pipeline
+    from safepoint.commit import commit
+
+    t0 = time.perf_counter()
+    phase("commit")
+    m = commit(folder, run, step)
+    t1 = time.perf_counter()
+    out = pipeline.ingest(folder, [dest], open_catalog(catalog_url))
+    t2 = time.perf_counter()
+    return {"files": len(m.files), "bytes": m.total_bytes, "commit_s": round(t1 - t0, 2),
+            "ingest_s": round(t2 - t1, 2), "state": str(out.state), "message": out.message}
+
+
+OPS = {"lifecycle": op_lifecycle, "commit_ingest": op_commit_ingest, "ingest_hostile": op_ingest_hostile,
+       "ingest": op_ingest, "prune": op_prune, "crash_before_catalog": op_crash_before_catalog}
 
 
 def _child(cmd: dict[str, Any]) -> int:
