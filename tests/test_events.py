@@ -248,3 +248,28 @@ def test_polling_waiter_just_sleeps(tmp_path):
     waiter = ChangeWaiter(tmp_path, use_inotify=False)
     assert waiter.mode == "polling"
     assert waiter.wait(0.05) is False
+
+
+def test_served_deployments_match_prefect_yaml():
+    """`safepoint serve` and prefect.yaml declare the same deployments, triggers and parameters."""
+    import yaml
+
+    from flows.deployments import build
+
+    served = {d.name: d for d in build(["file:///d"], scrub_every_s=3600, completeness_every_s=60)}
+    assert set(served) == {"ingest", "scrub", "completeness"}
+    (trigger,) = served["ingest"].triggers
+    assert trigger.expect == {"safepoint.checkpoint.committed"}
+    assert trigger.parameters == trigger_parameters()
+    assert served["scrub"].schedules and served["completeness"].schedules
+    per_node = {d.name: d for d in build([], node="n7")}
+    assert set(per_node) == {"ingest-n7", "scrub-n7", "completeness-n7"}
+    assert per_node["ingest-n7"].triggers[0].match.root["safepoint.node"] == "n7"
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "prefect.yaml").read_text())
+    deps = {d["name"]: d for d in doc["deployments"]}
+    (yaml_trigger,) = deps["ingest"]["triggers"]
+    assert yaml_trigger["parameters"] == trigger_parameters()
+    assert yaml_trigger["expect"] == ["safepoint.checkpoint.committed"]
+    assert deps["scrub"]["entrypoint"] == "flows/scrub.py:scrub_replicas"
+    assert deps["completeness"]["entrypoint"] == "flows/completeness.py:check_completeness"

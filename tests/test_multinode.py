@@ -303,3 +303,19 @@ def test_refused_part_through_the_flow_is_recorded_for_the_watcher(tmp_path, pre
                     event_id=marker.event_id)
     assert sqlite_catalog.get("rf", 1).state is CS.CORRUPT
     assert ingest_finished(sqlite_catalog, marker)["state"] == "corrupt"
+
+
+def test_parts_command_shows_missing_ranks_and_applies_timeouts(tmp_path, sqlite_catalog, sqlite_catalog_url, cfg,
+                                                               capsys):
+    from safepoint.cli import main
+
+    durable = (tmp_path / "durable").as_uri()
+    ingest(make_part(tmp_path, "pc", 1, "n0", NODES["n0"]), [durable], sqlite_catalog, cfg)
+    capsys.readouterr()
+    assert main(["--catalog", sqlite_catalog_url, "parts", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["state"], row["delivered"], row["missing"], row["completeness"]) == (
+        "replicating", [0, 1], [2, 3, 4, 5], "waiting")
+    assert main(["--catalog", sqlite_catalog_url, "parts", "--apply", "--timeout", "0", "--json"]) == 0
+    assert "incomplete" in capsys.readouterr().out
+    assert sqlite_catalog.get("pc", 1).state is CS.INCOMPLETE
