@@ -319,3 +319,14 @@ def test_parts_command_shows_missing_ranks_and_applies_timeouts(tmp_path, sqlite
     assert main(["--catalog", sqlite_catalog_url, "parts", "--apply", "--timeout", "0", "--json"]) == 0
     assert "incomplete" in capsys.readouterr().out
     assert sqlite_catalog.get("pc", 1).state is CS.INCOMPLETE
+
+
+def test_assembled_on_an_object_store_is_validated_from_a_download(tmp_path, sqlite_catalog, cfg, safepoint_home):
+    """No node holds every shard and the replica is not a local folder: validation downloads it."""
+    url = f"memory://mn-{tmp_path.name}"
+    states = [ingest(make_part(tmp_path, "ob", 1, n, r), [url], sqlite_catalog, cfg).state for n, r in NODES.items()]
+    assert states[-1] is CS.VERIFIED
+    row = sqlite_catalog.get("ob", 1)
+    assert sqlite_catalog.latest_validation(row.id).ok
+    assert (safepoint_home / "tmp").is_dir()  # the download happened there ...
+    assert not list((safepoint_home / "tmp").glob("assembled-*"))  # ... and was removed
