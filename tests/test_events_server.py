@@ -10,9 +10,12 @@ Done-when of issue 6:
 - with the server stopped, a marker written meanwhile is kept and ingested after the restart;
 - a 3-node, 6-rank checkpoint becomes verified when every node delivers; with one node killed it
   becomes `incomplete` through the surviving watchers' periodic check, nothing hangs, and the
-  previous checkpoint stays the resume point. (The served completeness deployment does the same
-  on its schedule; its flow is tested in tests/test_multinode.py, its schedule is kept long here
-  because every run is a new process on a two-core machine.)
+  previous checkpoint stays the resume point; when the node comes back, its late part completes
+  the set. (The served completeness deployment does the same on its schedule; its flow is tested
+  in tests/test_multinode.py, its schedule is kept long here because every run is a new process on
+  a two-core machine.)
+- `prefect deploy --all` of prefect.yaml works with a process work pool, and a process worker
+  ingests an emitted marker.
 """
 
 from __future__ import annotations
@@ -218,6 +221,13 @@ def test_three_nodes_six_ranks_and_a_killed_node(stack):
              lambda: all(r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs(stack)),
              60, stack)
     assert all(r.state_type.value == "COMPLETED" for r in flow_runs(stack))
+
+    # The node comes back and delivers late: the set is re-opened, assembled and validated.
+    stack.watch(roots["n2"], "n2", "--timeouts-every", "2")
+    write_part(roots["n2"], "mn", 200, "n2", NODES["n2"])
+    wait_for("mn/200 verified after the late part", lambda: state_of(stack, "mn", 200) == "verified", 150, stack,
+             "watch-n2")
+    assert resume_point(catalog(stack).list_checkpoints("mn")).chosen.step == 200
 
 
 REPO = Path(__file__).resolve().parents[1]
