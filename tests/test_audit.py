@@ -164,8 +164,8 @@ def _ingest(tmp_path: Path, catalog, run: str, step: int, *, scale: float = 1.0,
     return ingest(folder, [(tmp_path / "durable").as_uri()], catalog, config)
 
 
-def test_norm_jump_against_previous_verified_checkpoint(tmp_path: Path, sqlite_catalog_url: str) -> None:
-    catalog = open_catalog(sqlite_catalog_url)
+def test_norm_jump_against_previous_verified_checkpoint(tmp_path: Path, catalog_url: str) -> None:
+    catalog = open_catalog(catalog_url)  # SQLite and PostgreSQL
     assert _ingest(tmp_path, catalog, "nj", 1).state is CS.VERIFIED
     first = catalog.latest_validation(catalog.get("nj", 1).id)
     stats = {r["name"]: r for r in catalog.tensor_stats(first.id)}
@@ -196,3 +196,14 @@ def test_norm_jump_as_warning_keeps_the_checkpoint_verified(tmp_path: Path, sqli
     assert v.ok and v.report["findings"] == []
     [w] = v.report["warnings"]
     assert w["tensor"] == "model.2.weight" and "shrank x100" in w["message"]
+
+
+def test_per_run_model_in_config_runs_the_strict_load(tmp_path: Path, sqlite_catalog_url: str) -> None:
+    """`[runs.NAME] model = "..."` turns on the harness for that run only (here: a changed shape)."""
+    catalog = open_catalog(sqlite_catalog_url)
+    config = Config(runs={"edited": {"model": "tests.test_harness:wider_model"}})
+    assert _ingest(tmp_path, catalog, "edited", 2, config=config).state is CS.INVALID
+    v = catalog.latest_validation(catalog.get("edited", 2).id)
+    assert v.report["checks"]["harness"]["model"] == "tests.test_harness:wider_model"
+    assert "model.0.weight" in {f["tensor"] for f in v.report["findings"] if f["problem"] == "shape"}
+    assert _ingest(tmp_path, catalog, "other", 2, config=config).state is CS.VERIFIED
