@@ -373,7 +373,7 @@ def find_optimizer(found: Found, candidates: tuple[str, ...]) -> FoundOptimizer 
 
 
 def check_optimizer(layout: OptimizerLayout | None, opt: FoundOptimizer | None, model_expected: dict[str, TensorSpec],
-                    model_prefix: str, candidates: tuple[str, ...]) -> list[Issue]:
+                    candidates: tuple[str, ...]) -> list[Issue]:
     """Optimizer state against the parameter groups. Pure."""
     if opt is None:
         if layout is None:
@@ -480,7 +480,7 @@ def check(harness: Harness, found: Found, *, step: int | None = None, model_key:
         load_issue = dry_run_load(harness.model, state_found)
         if load_issue:
             issues.append(load_issue)
-    issues += check_optimizer(harness.optimizer, opt, harness.expected, prefix, opt_keys)
+    issues += check_optimizer(harness.optimizer, opt, harness.expected, opt_keys)
     if check_step_:
         step_issues, recorded = check_step(found.values, step, _keys(step_key, DEFAULT_STEP_KEYS)[0])
         issues += step_issues
