@@ -81,6 +81,7 @@ def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str 
     for (dest_url, run_, step, _files), rep in zip(jobs, reports):
         by_url.setdefault(_snapshot_url(dest_url, run_, step), []).append(rep)
     rows, problems, total_files, total_bytes = [], 0, 0, 0
+    damaged: set[int] = set()
     for url, (target, n) in planned.items():
         rep = scrub.merge_reports(by_url.get(url, []))
         bad = rep.problems
@@ -90,6 +91,7 @@ def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str 
             full, _ = pipeline.verify_url(catalog, target.url, config)
             outcome = str(full.outcome)
             problems += 1
+            damaged.add(target.checkpoint_id)
             logger.warning("scrub: %s slice %d/%d: %s; full verify: %s", target.url, index + 1, of, rep.summary(),
                            full.summary())
         catalog.add_event(scrub.SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
@@ -101,12 +103,17 @@ def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str 
     for target, error in unusable:
         full, _ = pipeline.verify_url(catalog, target.url, config)
         problems += 1
+        damaged.add(target.checkpoint_id)
         catalog.add_event(scrub.SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
             "url": target.url, "index": index, "of": of, "files": 0, "bytes": 0, "error": error,
             "outcome": str(full.outcome)})
         rows.append((target.url, 0, 0, f"{full.outcome}: {error}"))
     summary = {"pass": True, "index": index, "of": of, "replicas": len(rows), "files": total_files,
                "bytes": total_bytes, "problems": problems}
+    if damaged:  # re-replicate what rot damaged from a copy that still verifies (safepoint.reconcile)
+        from safepoint.reconcile import repair
+
+        summary["repaired"] = repair(catalog, damaged, config).actions()
     catalog.add_event(scrub.SCRUB_EVENT, detail=summary)
     table = "\n".join(f"| {u} | {n} | {b} | {o} |" for u, n, b, o in rows)
     create_markdown_artifact(
