@@ -44,7 +44,9 @@ class LocalDestination(FsspecDestination):
                     if not n:
                         break
                     h.update(view[:n])
-                    out.write(view[:n])
+                    rest = view[:n]
+                    while rest:  # a raw write may be short (a disk filling up): the rest raises ENOSPC
+                        rest = rest[out.write(rest):]
                 os.fsync(out.fileno())
             os.replace(tmp, dst)
         except BaseException:

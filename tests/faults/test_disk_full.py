@@ -139,3 +139,21 @@ def test_disk_full_partial_replica_is_removed_after_grace(small_disk, tmp_path, 
     assert not snapdir.exists()
     # The checkpoint itself is untouched: still committed locally, ready for the next ingest.
     assert sqlite_catalog.get("full", 3).state is CS.COMMITTED
+
+
+def test_short_write_on_a_full_disk_is_no_space_not_corruption(small_disk, tmp_path, template, sqlite_catalog):
+    """A write into the last free pages returns short instead of raising: it must not be dropped.
+
+    Found by this suite: the file:// upload ignored short writes, so a full disk produced a
+    truncated object that the read-back then reported as a corrupt replica.
+    """
+    mnt, _resize = small_disk
+    (mnt / "ballast").write_bytes(b"b" * (2 * 1024 * 1024 - 256 * 1024))   # ~256 KiB left
+    folder = tmp_path / "nvme" / "short"
+    folder.mkdir(parents=True)
+    (folder / "big.safetensors").write_bytes((template / "big.safetensors").read_bytes())  # one 768 KiB write
+    commit(folder, "full", 4)
+    out = pipeline.ingest(folder, [(mnt / "durable").as_uri()], sqlite_catalog)
+    [rep] = sqlite_catalog.replicas(sqlite_catalog.get("full", 4).id)
+    assert rep.state is RS.FAILED and "No space left on device" in rep.error, (rep, out)
+    assert not list((mnt / "durable").rglob(MARKER_NAME)) and not list((mnt / "durable").rglob(f"{TMP_PREFIX}*"))
