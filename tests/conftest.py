@@ -10,7 +10,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
 
-pytest_plugins = ["tests.conftest_catalog"]
+pytest_plugins = ["tests.conftest_catalog", "tests.conftest_s3"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,59 @@
+"""A bounded pool of reusable part buffers: the memory bound of S3 transfers.
+
+Every part being read, hashed, sent or read back holds one buffer, so a destination never holds
+more than `count * size` bytes of file data, whatever the file sizes. Buffers are allocated on
+first use and then reused: a fresh 32 MiB allocation per part costs page faults and zeroing that
+show up as real CPU on a small machine.
+
+Deadlock rule for callers: block in `acquire()` only while holding no buffer of this pool; a
+caller that already holds some uses `try_acquire()` and consumes what it holds when that fails.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class BufferPool:
+    def __init__(self, count: int, size: int):
+        if count < 1 or size < 1:
+            raise ValueError("a buffer pool needs count >= 1 and size >= 1")
+        self.count = count
+        self.size = size
+        self._free: list[bytearray] = []
+        self._allocated = 0
+        self._in_use = 0
+        self.high_water = 0  # most buffers ever in use at once (tests check the bound)
+        self._cond = threading.Condition()
+
+    def _take(self) -> bytearray | None:
+        if self._free:
+            buf = self._free.pop()
+        elif self._allocated < self.count:
+            buf = bytearray(self.size)
+            self._allocated += 1
+        else:
+            return None
+        self._in_use += 1
+        self.high_water = max(self.high_water, self._in_use)
+        return buf
+
+    def acquire(self) -> bytearray:
+        with self._cond:
+            while (buf := self._take()) is None:
+                self._cond.wait()
+            return buf
+
+    def try_acquire(self) -> bytearray | None:
+        with self._cond:
+            return self._take()
+
+    def release(self, buf: bytearray) -> None:
+        with self._cond:
+            self._in_use -= 1
+            self._free.append(buf)
+            self._cond.notify()
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
