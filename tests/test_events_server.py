@@ -160,7 +160,14 @@ def test_marker_becomes_verified_without_a_call_and_survives_a_server_restart(st
     wait_for("ev/1 verified", lambda: state_of(stack, "ev", 1) == "verified", 150, stack, "watch-solo")
     print(f"\nmarker -> verified: {time.monotonic() - t0:.1f}s")
     marker = Marker.of(LocalSnapshot.open(folder), [stack.durable], "solo")
-    runs = [r for r in flow_runs(stack) if (r.parameters or {}).get("event_id") == marker.event_id]
+
+    def runs_of(eid):
+        return [r for r in flow_runs(stack) if (r.parameters or {}).get("event_id") == eid]
+
+    # `verified` is recorded a moment before the run finishes (artifact, final state).
+    wait_for("the flow run completed", lambda: all(r.state_type.value == "COMPLETED" for r in runs_of(
+        marker.event_id)), 60, stack)
+    runs = runs_of(marker.event_id)
     assert len(runs) == 1 and runs[0].state_type.value == "COMPLETED"
     assert runs[0].parameters["to"] == [stack.durable]  # templated from the event, as a native list
     row = catalog(stack).get("ev", 1)
