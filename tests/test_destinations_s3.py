@@ -408,3 +408,22 @@ def test_retry_policy_is_bounded_and_classifies():
     assert len(calls) == 4 and len(slept) == 3 and all(0 <= s <= 2.0 for s in slept)
     with pytest.raises(ClientError):  # final at once
         retry.call(lambda: (_ for _ in ()).throw(err("AccessDenied", 403)), policy, "x", sleep=slept.append)
+
+
+def test_buffer_pool_bounds_memory():
+    from safepoint.destinations.buffers import BufferPool
+
+    pool = BufferPool(2, 1024)
+    a, b = pool.acquire(), pool.acquire()
+    assert pool.try_acquire() is None and pool.try_acquire(4096) is None  # no slot left, whatever the size
+    pool.release(a)
+    big = pool.try_acquire(4096)  # an oversized part takes a slot and is not pooled
+    assert big is not None and len(big) == 4096 and pool.try_acquire() is None
+    pool.release(big)
+    pool.release(b)
+    assert pool.in_use == 0 and pool.high_water == 2 and pool._allocated <= 2
+    again = pool.acquire()
+    assert len(again) == 1024
+    pool.release(again)
+    pool.drain()
+    assert pool._allocated == 0

@@ -26,8 +26,18 @@ class BufferPool:
         self.high_water = 0  # most buffers ever in use at once (tests check the bound)
         self._cond = threading.Condition()
 
-    def _take(self) -> bytearray | None:
-        if self._free:
+    def _take(self, size: int) -> bytearray | None:
+        if size > self.size:
+            # An oversized part (a file so large that S3's 10,000-part limit forces bigger parts):
+            # it takes a slot like any buffer, and is freed, not pooled, when released.
+            if self._in_use >= self.count:
+                return None
+            if len(self._free) + self._in_use >= self.count and self._free:
+                self._free.pop()
+                self._allocated -= 1
+            buf = bytearray(size)
+            self._allocated += 1
+        elif self._free:
             buf = self._free.pop()
         elif self._allocated < self.count:
             buf = bytearray(self.size)
@@ -38,21 +48,31 @@ class BufferPool:
         self.high_water = max(self.high_water, self._in_use)
         return buf
 
-    def acquire(self) -> bytearray:
+    def acquire(self, size: int = 0) -> bytearray:
+        """A buffer of at least `size` bytes (default: the pool's size); waits for a free slot."""
         with self._cond:
-            while (buf := self._take()) is None:
+            while (buf := self._take(size)) is None:
                 self._cond.wait()
             return buf
 
-    def try_acquire(self) -> bytearray | None:
+    def try_acquire(self, size: int = 0) -> bytearray | None:
         with self._cond:
-            return self._take()
+            return self._take(size)
 
     def release(self, buf: bytearray) -> None:
         with self._cond:
             self._in_use -= 1
-            self._free.append(buf)
-            self._cond.notify()
+            if len(buf) == self.size:
+                self._free.append(buf)
+            else:
+                self._allocated -= 1
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Free the idle buffers (the memory comes back; the pool refills on demand)."""
+        with self._cond:
+            self._allocated -= len(self._free)
+            self._free.clear()
 
     @property
     def in_use(self) -> int:

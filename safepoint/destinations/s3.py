@@ -145,6 +145,7 @@ class S3Destination(FsspecDestination):
             ex.shutdown(wait=True)
         if client is not None and hasattr(client, "close"):
             client.close()
+        self.pool.drain()
 
     def _key(self, run: str, step: int, relpath: str = "") -> str:
         """Object key of a file of a snapshot (its folder, without a trailing '/', for relpath="")."""
@@ -242,7 +243,7 @@ class S3Destination(FsspecDestination):
             for number, (offset, length) in enumerate(plan_parts(entry.size, self.tuning.part_size), 1):
                 if any(f.done() and f.exception() for f, _ in futures):
                     break  # a part failed for good: stop reading, report it below
-                buf = self.pool.acquire()
+                buf = self.pool.acquire(length)
                 try:
                     view = memoryview(buf)[:length]
                     self._read_exact(fd, view, offset)
@@ -304,7 +305,7 @@ class S3Destination(FsspecDestination):
         hasher = new_hasher(0)
         if size == 0:
             return hasher.hexdigest()
-        ranges = plan_parts(size, self.tuning.part_size)
+        ranges = [(off, min(self.pool.size, size - off)) for off in range(0, size, self.pool.size)]
         window = max(1, self.tuning.read_window)
         executor = self._pool_executor()
         pending: deque[tuple[Future, bytearray]] = deque()
