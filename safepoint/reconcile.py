@@ -418,7 +418,13 @@ class Reconciler:
         rep = None
         if row is not None:
             rep = next((r for r in self.catalog.replicas(row.id) if r.url.rstrip("/") == redact_url(url)), None)
-        known = Known(row.state if row else None, row.manifest_blake3 if row else None,
+        expected = row.manifest_blake3 if row else None
+        if row is not None and not expected and manifest is not None:
+            # A multi-node checkpoint's catalog row has no single manifest digest: compare the files.
+            mine = {(f.path, f.size, f.blake3) for f in self.catalog.files(row.id)}
+            theirs = {(f.path, f.size, f.blake3) for f in manifest.files}
+            expected = remote.manifest_blake3 if mine == theirs else "(the catalog's files)"
+        known = Known(row.state if row else None, expected,
                       rep.state if rep else None, self._age(rep.updated_at) if rep else None)
         action = decide(remote, known, self.grace_s)
         self._tmp_objects(dest, loc, remote)
