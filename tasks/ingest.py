@@ -19,17 +19,7 @@ from safepoint.redact import redact_url
 from safepoint.replicate import ReplicaResult
 from safepoint.snapshot import LocalSnapshot
 from safepoint.states import CheckpointState
-
-
-def _retry_on_infrastructure(task, task_run, state) -> bool:  # noqa: ANN001 - Prefect's signature
-    """Retry I/O trouble (network resets, 5xx surfacing as OSError); never retry bad data."""
-    try:
-        state.result()
-    except (OSError, TimeoutError, ConnectionError):
-        return True
-    except Exception:
-        return False
-    return False
+from tasks.retry import retry_on_infrastructure
 
 
 @task(name="open-snapshot")
@@ -47,7 +37,7 @@ def register(catalog_url: str | None, snap: LocalSnapshot) -> int:
     retries=3,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     retry_jitter_factor=0.5,
-    retry_condition_fn=_retry_on_infrastructure,
+    retry_condition_fn=retry_on_infrastructure,
 )
 def replicate(catalog_url: str | None, checkpoint_id: int, snap: LocalSnapshot, url: str,
               config: Config) -> ReplicaResult:

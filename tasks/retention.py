@@ -12,20 +12,11 @@ from catalog.store import open_catalog
 from safepoint import eviction, prune
 from safepoint.config import load_config
 from safepoint.retention import policy_from_spec
-
-
-def _retry_on_infrastructure(task, task_run, state) -> bool:  # noqa: ANN001 - Prefect's signature
-    try:
-        state.result()
-    except (OSError, TimeoutError, ConnectionError):
-        return True
-    except Exception:
-        return False
-    return False
+from tasks.retry import retry_on_infrastructure
 
 
 @task(name="prune-run", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5),
-      retry_condition_fn=_retry_on_infrastructure)
+      retry_condition_fn=retry_on_infrastructure)
 def prune_run(catalog_url: str | None, run: str, spec: dict[str, Any], min_replicas: int, dry_run: bool,
               now: datetime) -> dict[str, Any]:
     """Plan and execute retention for one run (a re-run is safe: the catalog is marked first)."""
@@ -36,7 +27,7 @@ def prune_run(catalog_url: str | None, run: str, spec: dict[str, Any], min_repli
             "plan": res.plan.to_rows()}
 
 
-@task(name="evict-root", retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_on_infrastructure)
+@task(name="evict-root", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_on_infrastructure)
 def evict_root(catalog_url: str | None, root: str, high_water: float, low_water: float | None,
                capacity_bytes: int | None, min_replicas: int, keep_newest: int, dry_run: bool) -> dict[str, Any]:
     res = eviction.evict(open_catalog(catalog_url), root, high_water=high_water, low_water=low_water,

@@ -13,10 +13,10 @@ from safepoint.format import FileEntry
 from safepoint.hashing import hash_path
 from safepoint.snapshot import resolve_inside
 from safepoint.verify import FileStatus, VerifyReport, check_file
-from tasks.ingest import _retry_on_infrastructure
+from tasks.retry import retry_on_infrastructure
 
 
-@task(name="verify-batch", retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_on_infrastructure)
+@task(name="verify-batch", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_infrastructure)
 def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
     """Hash a batch of a replica's files (runs wherever the task runner puts it: thread or Dask worker)."""
     dest = open_destination(destination, config.storage_options(destination))
