@@ -194,9 +194,7 @@ def test_s3_orphans_and_crash_before_catalog(s3_env, snap_folder, tmp_path, sqli
     c = s3_env.server.client()
     c.put_object(Bucket=s3_env.bucket, Key=s3_env.key("orph/s3f/2/model.pt"), Body=b"half an upload")
     c.create_multipart_upload(Bucket=s3_env.bucket, Key=s3_env.key("orph/s3f/2/big.safetensors"))
-    # (No read_timeout here: S3Destination.fs hands it to s3fs, which does not take it; see the report.)
-    config = Config(storage={f"s3://{s3_env.bucket}": {k: v for k, v in TUNING.items()
-                                                       if k not in ("read_timeout", "connect_timeout")}})
+    config = _config(s3_env)
     young = reconcile(sqlite_catalog, [s3_env.url("orph")], config, grace_s=3600)
     assert young.count("adopt") == 1 and young.count("keep_partial") == 1, young.to_dict()
     assert sqlite_catalog.get("s3f", 1).state is CS.VERIFIED   # validated from a download of the replica
