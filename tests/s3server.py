@@ -210,6 +210,11 @@ class SeaweedFS:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     directory = Path(argv[0] if argv else "./seaweedfs-data").resolve()
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # stop the server on SIGTERM too, not only on Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_term)
     with SeaweedFS(directory) as server:
         for k, v in server.env().items():
             print(f"export {k}={v}")
