@@ -13,12 +13,13 @@ from catalog.store import Catalog, open_catalog
 from safepoint import assemble, leases, pipeline
 from safepoint import progress as progress_
 from safepoint.config import Config
+from safepoint.errors import DestinationError
 from safepoint.format import digest_bytes
 from safepoint.parts import is_part, part_key
-from safepoint.redact import redact_url
+from safepoint.redact import redact, redact_url
 from safepoint.replicate import ReplicaResult
 from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState
+from safepoint.states import CheckpointState, ReplicaState
 from tasks.retry import retry_on_infrastructure
 
 
@@ -47,7 +48,13 @@ def replicate(catalog_url: str | None, checkpoint_id: int, snap: LocalSnapshot, 
         if is_part(snap.manifest):
             return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config,
                                               progress=progress_.hook())
-        return pipeline.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress_.hook())
+        try:
+            return pipeline.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress_.hook())
+        except DestinationError as e:
+            # The destination's own bounded retries gave up (and the replica is recorded failed):
+            # a result, not a crash, so the other destinations still settle the checkpoint.
+            return ReplicaResult(url=url, destination=redact_url(url), state=ReplicaState.FAILED,
+                                 error=f"{redact_url(url)}: {redact(str(e))}")
 
 
 def limits(config: Config) -> tuple[int, float, float]:

@@ -427,3 +427,23 @@ def test_buffer_pool_bounds_memory():
     pool.release(again)
     pool.drain()
     assert pool._allocated == 0
+
+
+def test_failed_s3_destination_does_not_sink_the_others(s3_env, prefect_api, sqlite_catalog_url, tmp_path, capsys,
+                                                        safepoint_home, fault_proxy):
+    """S3 gives up (endless 503), the parallel-filesystem copy verifies: each is recorded on its own,
+    and the checkpoint goes on to validation on the strength of the good one."""
+    fault_proxy.add(Fault("status", method="PUT", times=None))
+    write_config(safepoint_home, storage_section(s3_env, endpoint_url=fault_proxy.endpoint, **FAST_RETRY))
+    cat, s3url, pfs = sqlite_catalog_url, s3_env.url("half"), (tmp_path / "pfs").as_uri()
+    folder = committed_ckpt(tmp_path / "nvme", "half", 4)
+    assert sp("--catalog", cat, "ingest", folder, "--to", s3url, "--to", pfs) == 0
+    (row,) = ls_json(cat, capsys)
+    assert row["state"] == "verified"
+    assert {r["url"]: r["state"] for r in row["replicas"]} == {f"{s3url}/half/4": "failed", f"{pfs}/half/4": "verified"}
+    from catalog.store import open_catalog
+
+    catalog = open_catalog(cat)
+    failed = next(r for r in catalog.replicas(catalog.get("half", 4).id) if r.url.startswith("s3://"))
+    assert "SlowDown" in failed.error and "gave up" in failed.error
+    assert open_destination(s3url).read_control("half", 4, MARKER_NAME) is None
