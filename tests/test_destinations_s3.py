@@ -447,3 +447,16 @@ def test_failed_s3_destination_does_not_sink_the_others(s3_env, prefect_api, sql
     failed = next(r for r in catalog.replicas(catalog.get("half", 4).id) if r.url.startswith("s3://"))
     assert "SlowDown" in failed.error and "gave up" in failed.error
     assert open_destination(s3url).read_control("half", 4, MARKER_NAME) is None
+
+
+def test_lost_answer_to_complete_is_not_a_failure(s3_env, fault_proxy, big_snapshot):
+    """The server completed the upload but the answer never arrived, and the retry is told the upload
+    is gone (as S3 may say): the object is there, so the file goes on to its read-back."""
+    match = r"shard-0\.bin\?uploadId"
+    lost = fault_proxy.add(Fault("reset", method="POST", match=match, where="response", at=0.0))
+    gone = fault_proxy.add(Fault("status", method="POST", match=match, status=404, code="NoSuchUpload"))
+    dest = open_destination(s3_env.url("lost"), {**SMALL_PARTS, **FAST_RETRY, "endpoint_url": fault_proxy.endpoint})
+    result = replicate(big_snapshot, dest)
+    assert lost.hits == 1 and gone.hits == 1
+    assert result.state is ReplicaState.VERIFIED, result.error
+    assert open_destination(s3_env.url("lost")).pending_uploads() == []

@@ -260,7 +260,11 @@ class S3Destination(FsspecDestination):
                 self._call("complete_multipart_upload", f"complete upload {where}", Bucket=self.bucket, Key=key,
                            UploadId=upload_id, MultipartUpload={"Parts": parts})
             except _client_error() as e:
-                raise self._fail(e, f"complete upload {where}") from e
+                # A retry after a lost answer finds the upload gone because it did complete: the
+                # object is there (and the read-back that follows is what vouches for it).
+                head = self._head(key) if _is_not_found(e) else None
+                if head is None or int(head["ContentLength"]) != entry.size:
+                    raise self._fail(e, f"complete upload {where}") from e
             completed = True
             return digest
         except _LocalChanged:
