@@ -460,3 +460,23 @@ def test_lost_answer_to_complete_is_not_a_failure(s3_env, fault_proxy, big_snaps
     assert lost.hits == 1 and gone.hits == 1
     assert result.state is ReplicaState.VERIFIED, result.error
     assert open_destination(s3_env.url("lost")).pending_uploads() == []
+
+
+@pytest.mark.parametrize("how", ["AWS_PROFILE", "profile option"])
+def test_credentials_and_endpoint_from_an_aws_profile(s3_env, monkeypatch, tmp_path, snapshot, how):
+    """No AWS_* keys or endpoint in the environment: a named profile in ~/.aws provides them."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    creds, conf = tmp_path / "aws-credentials", tmp_path / "aws-config"
+    creds.write_text("[ckpt]\naws_access_key_id = profile-key\naws_secret_access_key = profile-secret\n")
+    conf.write_text(f"[profile ckpt]\nregion = us-east-1\nendpoint_url = {s3_env.server.endpoint}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(conf))
+    options = {}
+    if how == "AWS_PROFILE":
+        monkeypatch.setenv("AWS_PROFILE", "ckpt")
+    else:
+        options["profile"] = "ckpt"
+    dest = open_destination(s3_env.url("prof"), options)
+    assert replicate(snapshot, dest).state is ReplicaState.VERIFIED
+    assert dest.committed_snapshots() == [("run-x", 42)]
