@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--options", default="{}", help="Safepoint's S3 storage options, as JSON (default: none)")
+    ap.add_argument("--tools", default="", help="comma-separated subset of: safepoint,s5cmd,aws,s3fs.put")
     args = ap.parse_args(argv)
     options = json.loads(args.options)
 
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())
         server.make_bucket(BUCKET)
         run_tools = tools(server, env, options)
+        if args.tools:
+            wanted = {t.strip() for t in args.tools.split(",")}
+            run_tools = {k: v for k, v in run_tools.items() if k.split()[0] in wanted}
         rows = {(t, ds): Row(t, ds, sum(f.stat().st_size for f in folder.iterdir()))
                 for ds, folder in data.items() for t in run_tools}
         print(f"SeaweedFS at {server.endpoint}; {os.cpu_count()} CPUs; load average "

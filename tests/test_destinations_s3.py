@@ -480,3 +480,25 @@ def test_credentials_and_endpoint_from_an_aws_profile(s3_env, monkeypatch, tmp_p
     dest = open_destination(s3_env.url("prof"), options)
     assert replicate(snapshot, dest).state is ReplicaState.VERIFIED
     assert dest.committed_snapshots() == [("run-x", 42)]
+
+
+def test_streamed_put_reads_once_and_resends_whole(s3_env, fault_proxy, big_snapshot):
+    """stream_put_max: one PUT per file through one buffer; a reset mid-body resends it, re-hashed."""
+    cut = fault_proxy.add(Fault("reset", method="PUT", match=r"shard-1\.bin$", where="request", at=0.6))
+    dest = open_destination(s3_env.url("stream"), {**SMALL_PARTS, **FAST_RETRY, "stream_put_max": 64 * MiB,
+                                                   "endpoint_url": fault_proxy.endpoint})
+    result = replicate(big_snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED, result.error
+    assert cut.hits == 1 and dest.pool.high_water <= SMALL_PARTS["max_parts_in_flight"]
+    assert not any("partNumber" in target for _, target in fault_proxy.requests)  # no multipart at all
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, Key=s3_env.key("stream/big/7/shard-0.bin"))
+    assert "-" not in head["ETag"]
+
+
+def test_streamed_put_of_a_file_that_shrank_is_never_committed(s3_env, big_snapshot):
+    p = big_snapshot.path_of("shard-0.bin")
+    dest = open_destination(s3_env.url("shrink"), {**SMALL_PARTS, "stream_put_max": 64 * MiB})
+    entry = big_snapshot.manifest.file("shard-0.bin")
+    p.write_bytes(p.read_bytes()[: 7 * MiB])  # after the manifest: the stream runs dry mid-body
+    assert dest.upload("big", 7, entry, p) != entry.blake3
+    assert dest.size("big", 7, "shard-0.bin") is None  # the PUT never completed

@@ -96,6 +96,52 @@ class _LocalChanged(Exception):
     """The local file ended before the manifest's size: it changed after the pre-check."""
 
 
+class _StreamBody:
+    """A request body that reads the local file into one pooled buffer, hashes it there and hands
+    the same bytes to the socket: one PUT of any size, each byte read once, memory one buffer.
+
+    http.client sends whatever `read()` returns, so chunks are buffer-sized, not 16 KiB. A rewind
+    (`seek(0)`, for a resend) starts the hash over with the bytes read again.
+    """
+
+    def __init__(self, fd: int, size: int, buf: bytearray, new_hasher: Any):
+        self._fd, self._size, self._buf, self._new_hasher = fd, size, buf, new_hasher
+        self._pos = 0
+        self.hasher = new_hasher()
+        self.ran_dry = False  # the file ended early; botocore wraps what read() raises, so say it here
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        target = {0: pos, 1: self._pos + pos, 2: self._size + pos}[whence]
+        if target != 0 and target != self._size:
+            raise OSError("a streamed body rewinds to its start only")
+        if target == 0:
+            self.hasher = self._new_hasher()
+        self._pos = target
+        return target
+
+    def read(self, n: int = -1) -> memoryview | bytes:
+        if self._pos >= self._size:
+            return b""
+        k = min(len(self._buf), self._size - self._pos)
+        view = memoryview(self._buf)[:k]
+        got = 0
+        while got < k:
+            r = os.preadv(self._fd, [view[got:]], self._pos + got)
+            if r == 0:
+                self.ran_dry = True
+                raise _LocalChanged
+            got += r
+        self.hasher.update(view)
+        self._pos += k
+        return view
+
+
 class S3Destination(FsspecDestination):
     """`s3://bucket/prefix` through botocore, with s3fs's storage options."""
 
@@ -177,9 +223,41 @@ class S3Destination(FsspecDestination):
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         key = self._key(run, step, entry.path)
-        if entry.size > max(self.tuning.part_size, SMALL):
-            return self._upload_multipart(key, entry, source)
-        return self._upload_single(key, entry, source)
+        if entry.size <= max(self.tuning.part_size, SMALL):
+            return self._upload_single(key, entry, source)
+        if entry.size <= self.tuning.stream_put_max and not self.tuning.checksum:
+            return self._upload_streamed(key, entry, source)
+        return self._upload_multipart(key, entry, source)
+
+    def _upload_streamed(self, key: str, entry: FileEntry, source: Path) -> str:
+        """One PUT streamed from the file through one pooled buffer (see _StreamBody)."""
+        where = self._where(key)
+        fd = os.open(source, os.O_RDONLY)
+        buf = self.pool.acquire()
+        body: _StreamBody | None = None
+
+        def put() -> Any:
+            nonlocal body
+            body = _StreamBody(fd, entry.size, buf, lambda: new_hasher(0))  # a resend reads and hashes anew
+            try:
+                return self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **self._settings.extra_put)
+            except Exception:
+                if body.ran_dry:
+                    raise _LocalChanged from None  # final: not a network failure to retry
+                raise
+
+        try:
+            retry.call(put, self.tuning.retry, f"PUT {where}")
+        except _LocalChanged:
+            assert body is not None
+            return body.hasher.hexdigest()  # shorter than the manifest says; the PUT never completed
+        except _client_error() as e:
+            raise self._fail(e, f"PUT {where}") from e
+        finally:
+            os.close(fd)
+            self.pool.release(buf)
+        assert body is not None
+        return body.hasher.hexdigest()
 
     def _read_exact(self, fd: int, view: memoryview, offset: int) -> None:
         got = 0
