@@ -221,7 +221,13 @@ def test_three_nodes_six_ranks_and_a_killed_node(stack):
     t1 = time.monotonic()
     for n in ("n0", "n1"):
         write_part(roots[n], "mn", 200, n, NODES[n])
-    wait_for("mn/200 incomplete", lambda: state_of(stack, "mn", 200) == "incomplete",
+    # Under load n1's part can arrive after the timeout fired; it is then recorded as a late
+    # arrival and the set stays incomplete. Wait for both: the timeout, and both live parts.
+    def incomplete_with_live_parts() -> bool:
+        row = catalog(stack).get("mn", 200)
+        return row is not None and row.state.value == "incomplete" and row.delivered_ranks == (0, 1, 2, 3)
+
+    wait_for("mn/200 incomplete with n0 and n1 delivered", incomplete_with_live_parts,
              TIMEOUT_S + 90, stack, "watch-n0", "watch-n1")
     print(f"\nkilled node -> incomplete: {time.monotonic() - t1:.1f}s (timeout {TIMEOUT_S}s)")
     row = catalog(stack).get("mn", 200)
