@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
         print(f"Medians of {args.rounds} round(s), {args.size_mib} MiB per dataset:\n")
         print(table(list(rows.values())))
+    shutil.rmtree(server_dir, ignore_errors=True)  # deleted objects leave GBs of volumes behind
     return 0
 
 
