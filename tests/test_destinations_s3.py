@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -502,3 +503,17 @@ def test_streamed_put_of_a_file_that_shrank_is_never_committed(s3_env, big_snaps
     p.write_bytes(p.read_bytes()[: 7 * MiB])  # after the manifest: the stream runs dry mid-body
     assert dest.upload("big", 7, entry, p) != entry.blake3
     assert dest.size("big", 7, "shard-0.bin") is None  # the PUT never completed
+
+
+def test_sha256_checksum_catches_damage_in_flight_per_part(s3_env, fault_proxy, big_snapshot):
+    """checksum = SHA256: the server refuses a damaged part (BadDigest) and only that part is resent."""
+    flip = fault_proxy.add(Fault("corrupt", method="PUT", match=r"shard-1\.bin\?.*partNumber=2", where="request"))
+    dest = open_destination(s3_env.url("sha"), {**SMALL_PARTS, **FAST_RETRY, "checksum": "SHA256",
+                                                "endpoint_url": fault_proxy.endpoint})
+    result = replicate(big_snapshot, dest)
+    assert flip.hits == 1 and result.state is ReplicaState.VERIFIED, result.error
+    parts2 = [t for m, t in fault_proxy.requests if m == "PUT" and re.search(r"shard-1\.bin\?.*partNumber=2", t)]
+    assert len(parts2) == 2  # the damaged part went twice, nothing else was resent
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, Key=s3_env.key("sha/big/7/shard-1.bin"),
+                                              ChecksumMode="ENABLED")
+    assert head.get("ChecksumSHA256", "").endswith("-3")  # the server kept the per-part checksums
