@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sqlalchemy as sa  # noqa: E402
 
-from catalog import db  # noqa: E402
-from catalog.store import Catalog  # noqa: E402
-from safepoint import retention  # noqa: E402
-from safepoint.decisions import resume_point  # noqa: E402
+from safepoint.catalog import db  # noqa: E402
+from safepoint.catalog.store import Catalog  # noqa: E402
+from safepoint.rules import retention  # noqa: E402
+from safepoint.rules.resume import resume_point  # noqa: E402
 
 PG_URL = os.environ.get("SAFEPOINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

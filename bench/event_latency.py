@@ -63,11 +63,11 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
 
-    from catalog.store import open_catalog
-    from safepoint.config import Config
-    from safepoint.events import Marker
-    from safepoint.pipeline import ingest
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.catalog.store import open_catalog
+    from safepoint.core.config import Config
+    from safepoint.events.markers import Marker
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.ingest import ingest
     from tests.prefect_server import PrefectServer, stop_group
 
     work = Path(args.work or tempfile.mkdtemp(prefix="sp-latency-"))
@@ -82,7 +82,7 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
 
     def spawn(name: str, *a: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli", *a], env=dict(env, **server.env()),
+        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", *a], env=dict(env, **server.env()),
                              stdout=open(work / f"{name}.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                              start_new_session=True)
         procs.append(p)

@@ -60,12 +60,12 @@ def main() -> None:
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
 
-    from catalog.store import open_catalog
-    from flows.ingest import ingest as ingest_flow
-    from safepoint import pipeline
-    from safepoint.commit import commit
-    from safepoint.config import Config
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.catalog.store import open_catalog
+    from safepoint.core.config import Config
+    from safepoint.flows.ingest import ingest as ingest_flow
+    from safepoint.local.commit import commit
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops import ingest as pipeline
 
     work = Path(args.work or tempfile.mkdtemp(prefix="sp-bench-ingest-"))
     src = work / "nvme" / "bench" / "step-10"

@@ -37,10 +37,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safepoint import commit  # noqa: E402
+from safepoint.core.states import ReplicaState  # noqa: E402
 from safepoint.destinations import open_destination  # noqa: E402
-from safepoint.replicate import replicate  # noqa: E402
-from safepoint.snapshot import LocalSnapshot  # noqa: E402
-from safepoint.states import ReplicaState  # noqa: E402
+from safepoint.local.snapshot import LocalSnapshot  # noqa: E402
+from safepoint.ops.replicate import replicate  # noqa: E402
 from tests.s3server import SeaweedFS  # noqa: E402
 
 MiB = 1024 * 1024

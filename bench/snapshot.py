@@ -208,7 +208,7 @@ class Bench:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import BlockingAsyncStager  # noqa: F401
 
-        from safepoint.dcp_writer import SafepointWriter
+        from safepoint.snapshotter.dcp_writer import SafepointWriter
 
         stager = stager_factory() if stager_factory else None
         stalls, dones = [], []

@@ -164,7 +164,7 @@ def child_seeds(path: Path) -> dict:
 
 def child_safepoint(folder: Path, step: int) -> dict:
     t0 = time.perf_counter()
-    from safepoint.validate import validate_snapshot
+    from safepoint.validation.validate import validate_snapshot
 
     t1 = time.perf_counter()
     report = validate_snapshot(folder, ["model.pt"], model=FACTORY, step=step)

@@ -1,6 +1,6 @@
 """The Safepoint catalog: an SQL database (SQLite by default, PostgreSQL for fleets).
 
-Names are imported lazily so that ``from catalog.views import ...`` (pure dataclasses, used by
+Names are imported lazily so that ``from safepoint.catalog.views import ...`` (pure dataclasses, used by
 decision code) does not pull in SQLAlchemy.
 """
 
@@ -14,10 +14,10 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Catalog": "catalog.store", "open_catalog": "catalog.store", "default_catalog_url": "catalog.db",
-    "CheckpointRow": "catalog.views", "CheckpointView": "catalog.views", "ReplicaRow": "catalog.views",
-    "ReplicaView": "catalog.views", "ValidationRow": "catalog.views", "LineageLink": "catalog.views",
-    "LocalCopy": "catalog.views",
+    **dict.fromkeys(["Catalog", "open_catalog"], "safepoint.catalog.store"),
+    "default_catalog_url": "safepoint.catalog.db",
+    **dict.fromkeys(["CheckpointRow", "CheckpointView", "ReplicaRow", "ReplicaView", "ValidationRow", "LineageLink",
+                     "LocalCopy"], "safepoint.catalog.views"),
 }
 
 
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module 'catalog' has no attribute {name!r}")
+    raise AttributeError(f"module 'safepoint.catalog' has no attribute {name!r}")

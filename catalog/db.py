@@ -154,7 +154,7 @@ if hasattr(os, "register_at_fork"):
 
 def alembic_config(connection: sa.Connection | None = None) -> Config:
     """An Alembic Config for the bundled migrations; `connection` is used by migrations/env.py."""
-    import migrations
+    from safepoint import migrations
 
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).resolve().parent))

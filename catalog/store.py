@@ -21,8 +21,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from catalog import db
-from catalog.models import (
+from safepoint.catalog import db
+from safepoint.catalog.models import (
     Checkpoint,
     CheckpointFile,
     CheckpointRank,
@@ -34,7 +34,7 @@ from catalog.models import (
     Validation,
     utcnow,
 )
-from catalog.views import (
+from safepoint.catalog.views import (
     CheckpointRow,
     CheckpointView,
     LineageLink,
@@ -43,15 +43,15 @@ from catalog.views import (
     ReplicaView,
     ValidationRow,
 )
-from safepoint.errors import CatalogError
-from safepoint.format import FileEntry, Manifest, check_run, check_step
-from safepoint.redact import redact, redact_url
-from safepoint.states import CheckpointState, ReplicaState, can_transition
+from safepoint.core.errors import CatalogError
+from safepoint.core.format import FileEntry, Manifest, check_run, check_step
+from safepoint.core.redact import redact, redact_url
+from safepoint.core.states import CheckpointState, ReplicaState, can_transition
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from safepoint.decisions import ResumeDecision
+    from safepoint.rules.resume import ResumeDecision
 
 __all__ = ["Catalog", "open_catalog", "redact", "redact_url"]
 
@@ -529,7 +529,7 @@ class Catalog:
         explanation) is the one the pure function gives on the whole run. One read transaction,
         so every page sees the same snapshot; usually one page, one statement.
         """
-        from safepoint.decisions import resume_point as decide
+        from safepoint.rules.resume import resume_point as decide
 
         seen: list[CheckpointView] = []
         below: int | None = None

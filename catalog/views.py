@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from safepoint.states import CheckpointState, ReplicaState
+from safepoint.core.states import CheckpointState, ReplicaState
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from catalog.store import open_catalog
-from safepoint import assemble
-from safepoint.config import load_config
-from tasks import ingest as t
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import load_config
+from safepoint.ops import assemble
+from safepoint.tasks import ingest as t
 
 
 @flow(name="safepoint-completeness")

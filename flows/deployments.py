@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from safepoint import events
+from safepoint.events import markers as events
 
 
 def build(to: list[str] | None = None, *, node: str | None = None, name: str = "ingest",
@@ -21,9 +21,9 @@ def build(to: list[str] | None = None, *, node: str | None = None, name: str = "
     from prefect.deployments.runner import EntrypointType
     from prefect.events import DeploymentEventTrigger
 
-    from flows.completeness import check_completeness
-    from flows.ingest import ingest
-    from flows.scrub import scrub_replicas
+    from safepoint.flows.completeness import check_completeness
+    from safepoint.flows.ingest import ingest
+    from safepoint.flows.scrub import scrub_replicas
 
     suffix = f"-{node}" if node else ""
     params = events.trigger_parameters()

@@ -15,20 +15,21 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from catalog.store import Catalog, open_catalog
-from safepoint import assemble, pipeline
-from safepoint.config import Config, load_config
-from safepoint.errors import FormatError
-from safepoint.format import digest_bytes
-from safepoint.metrics import MemorySampler
-from safepoint.parts import check_part, is_part, part_key
-from safepoint.redact import redact, redact_url
-from safepoint.replicate import ReplicaResult
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
-from tasks import ingest as t
-from tasks.repair import reconcile_snapshot
+from safepoint.catalog.store import Catalog, open_catalog
+from safepoint.core.config import Config, load_config
+from safepoint.core.errors import FormatError
+from safepoint.core.format import digest_bytes
+from safepoint.core.redact import redact, redact_url
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.destinations.parts import check_part, is_part, part_key
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops import assemble
+from safepoint.ops import ingest as pipeline
+from safepoint.ops.metrics import MemorySampler
+from safepoint.ops.replicate import ReplicaResult
+from safepoint.tasks import ingest as t
+from safepoint.tasks.repair import reconcile_snapshot
 
 
 def _fmt_bytes(n: float) -> str:
@@ -104,7 +105,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
             check_part(snap.manifest)
     except FormatError as e:
         logger.error("not ingesting %s: %s", snapshot, e)
-        from safepoint.reconcile import quarantine
+        from safepoint.ops.reconcile import quarantine
 
         row = quarantine(open_catalog(catalog_url), snapshot, str(e))  # corrupt in the catalog
         if row is not None:  # an event-driven watcher waits for this record, whatever the outcome

@@ -18,10 +18,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from catalog.store import open_catalog
-from safepoint.config import load_config
-from safepoint.retention import SPEC_KEYS
-from tasks import retention as t
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import load_config
+from safepoint.rules.retention import SPEC_KEYS
+from safepoint.tasks import retention as t
 
 
 def _spec_for(run: str, policy: dict[str, Any] | None, config: Any) -> dict[str, Any] | None:

@@ -14,17 +14,19 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from catalog.store import open_catalog
-from safepoint import fanout, pipeline, scrub
-from safepoint.config import Config, load_config
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import Config, load_config
+from safepoint.core.format import FileEntry
+from safepoint.core.naming import parse_snapshot_url
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.core.verify import VerifyReport
 from safepoint.destinations import open_destination
-from safepoint.format import FileEntry
-from safepoint.layout import parse_snapshot_url
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
-from safepoint.verify import VerifyReport
-from tasks.scrub import verify_batch, verify_local_batch
+from safepoint.flows import fanout
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops import ingest as pipeline
+from safepoint.ops import scrub
+from safepoint.tasks.scrub import verify_batch, verify_local_batch
 
 Job = tuple[str, str, int, list[FileEntry]]  # destination base URL, run, step, files
 
@@ -111,7 +113,7 @@ def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str 
     summary = {"pass": True, "index": index, "of": of, "replicas": len(rows), "files": total_files,
                "bytes": total_bytes, "problems": problems}
     if damaged:  # re-replicate what rot damaged from a copy that still verifies (safepoint.reconcile)
-        from safepoint.reconcile import repair
+        from safepoint.ops.reconcile import repair
 
         summary["repaired"] = repair(catalog, damaged, config).actions()
     catalog.add_event(scrub.SCRUB_EVENT, detail=summary)
@@ -126,7 +128,7 @@ def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str 
 
 
 def _snapshot_url(destination: str, run: str, step: int) -> str:
-    from safepoint.layout import snapshot_url
+    from safepoint.core.naming import snapshot_url
 
     return snapshot_url(destination, run, step)
 
@@ -172,7 +174,7 @@ def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]
 def _is_local_snapshot(url: str) -> bool:
     from pathlib import Path
 
-    from safepoint.format import MARKER_NAME
+    from safepoint.core.format import MARKER_NAME
 
     path = Path(url[len("file://"):])
     if not (path / MARKER_NAME).is_file():

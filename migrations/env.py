@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from catalog.db import MIGRATION_LOCK_KEY, default_catalog_url, make_engine
-from catalog.models import Base
+from safepoint.catalog.db import MIGRATION_LOCK_KEY, default_catalog_url, make_engine
+from safepoint.catalog.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -3,8 +3,8 @@
 `safepoint.commit(folder, run, step)` seals a folder written by any tool (docs/format.md).
 """
 
-from safepoint.commit import commit
-from safepoint.errors import CommitError, FormatError, SafepointError
+from safepoint.core.errors import CommitError, FormatError, SafepointError
+from safepoint.local.commit import commit
 
 __all__ = ["commit", "CommitError", "FormatError", "SafepointError", "Snapshotter"]
 

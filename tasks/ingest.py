@@ -9,18 +9,19 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from catalog.store import Catalog, open_catalog
-from safepoint import assemble, leases, pipeline
-from safepoint import progress as progress_
-from safepoint.config import Config
-from safepoint.errors import DestinationError
-from safepoint.format import digest_bytes
-from safepoint.parts import is_part, part_key
-from safepoint.redact import redact, redact_url
-from safepoint.replicate import ReplicaResult
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState, ReplicaState
-from tasks.retry import retry_on_infrastructure
+from safepoint.catalog.store import Catalog, open_catalog
+from safepoint.core.config import Config
+from safepoint.core.errors import DestinationError
+from safepoint.core.format import digest_bytes
+from safepoint.core.redact import redact, redact_url
+from safepoint.core.states import CheckpointState, ReplicaState
+from safepoint.destinations.parts import is_part, part_key
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops import assemble, leases
+from safepoint.ops import ingest as pipeline
+from safepoint.ops import progress as progress_
+from safepoint.ops.replicate import ReplicaResult
+from safepoint.tasks.retry import retry_on_infrastructure
 
 
 @task(name="open-snapshot")
@@ -122,7 +123,7 @@ def publish_validation_report(catalog: Catalog, checkpoint_id: int) -> None:
 
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from safepoint import validation_report as vr
+    from safepoint.validation import report as vr
 
     row = catalog.get_by_id(checkpoint_id)
     v = catalog.latest_validation(checkpoint_id)

@@ -6,10 +6,10 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from catalog.store import open_catalog
-from safepoint import reconcile
-from safepoint.config import Config
-from safepoint.errors import SafepointError
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import Config
+from safepoint.core.errors import SafepointError
+from safepoint.ops import reconcile
 
 
 @task(name="reconcile")

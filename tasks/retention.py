@@ -8,11 +8,12 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from catalog.store import open_catalog
-from safepoint import eviction, prune
-from safepoint.config import load_config
-from safepoint.retention import policy_from_spec
-from tasks.retry import retry_on_infrastructure
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import load_config
+from safepoint.ops import evict as eviction
+from safepoint.ops import prune
+from safepoint.rules.retention import policy_from_spec
+from safepoint.tasks.retry import retry_on_infrastructure
 
 
 @task(name="prune-run", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=5),

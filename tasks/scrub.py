@@ -6,14 +6,14 @@ from pathlib import Path
 
 from prefect import task
 
-from safepoint import scrub
-from safepoint.config import Config
+from safepoint.core.config import Config
+from safepoint.core.format import FileEntry
+from safepoint.core.hashing import hash_path
+from safepoint.core.verify import FileStatus, VerifyReport, check_file
 from safepoint.destinations import open_destination
-from safepoint.format import FileEntry
-from safepoint.hashing import hash_path
-from safepoint.snapshot import resolve_inside
-from safepoint.verify import FileStatus, VerifyReport, check_file
-from tasks.retry import retry_on_infrastructure
+from safepoint.local.snapshot import resolve_inside
+from safepoint.ops import scrub
+from safepoint.tasks.retry import retry_on_infrastructure
 
 
 @task(name="verify-batch", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_infrastructure)

@@ -26,7 +26,7 @@ def _pg_admin():
     import sqlalchemy as sa
     from sqlalchemy.pool import NullPool
 
-    from catalog.db import normalize_url
+    from safepoint.catalog.db import normalize_url
 
     eng = sa.create_engine(normalize_url(PG_URL), poolclass=NullPool, isolation_level="AUTOCOMMIT",
                            connect_args={"connect_timeout": 5})
@@ -52,7 +52,7 @@ def _need_pg(admin):
 
 def pg_schema_url(schema: str) -> str:
     """The test server's URL with `schema` as the only schema on the search_path."""
-    from catalog.db import normalize_url
+    from safepoint.catalog.db import normalize_url
 
     u = normalize_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
     return u.render_as_string(hide_password=False)
@@ -61,7 +61,7 @@ def pg_schema_url(schema: str) -> str:
 @pytest.fixture
 def postgres_catalog_url(_pg_admin, monkeypatch):
     """A fresh PostgreSQL schema (dropped afterwards) as a catalog URL."""
-    from catalog import db
+    from safepoint.catalog import db
 
     eng = _need_pg(_pg_admin)
     schema = f"sp_test_{uuid.uuid4().hex[:12]}"
@@ -79,7 +79,7 @@ def postgres_catalog_url(_pg_admin, monkeypatch):
 
 @pytest.fixture
 def sqlite_catalog_url(tmp_path, monkeypatch):
-    from catalog import db
+    from safepoint.catalog import db
 
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     monkeypatch.setenv("SAFEPOINT_CATALOG_URL", url)
@@ -97,13 +97,13 @@ def catalog_url(request):
 @pytest.fixture
 def catalog(catalog_url):
     """An open, migrated Catalog on each backend."""
-    from catalog import open_catalog
+    from safepoint.catalog import open_catalog
 
     return open_catalog(catalog_url)
 
 
 @pytest.fixture
 def sqlite_catalog(sqlite_catalog_url):
-    from catalog import open_catalog
+    from safepoint.catalog import open_catalog
 
     return open_catalog(sqlite_catalog_url)

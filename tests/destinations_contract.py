@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from safepoint import commit
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
+from safepoint.core.hashing import hash_path
+from safepoint.core.states import CheckpointState, ReplicaState
+from safepoint.core.verify import FileStatus
 from safepoint.destinations import open_destination
-from safepoint.format import MANIFEST_NAME, MARKER_NAME, FileEntry
-from safepoint.hashing import hash_path
-from safepoint.replicate import replicate, verify_replica
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState, ReplicaState
-from safepoint.verify import FileStatus
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.replicate import replicate, verify_replica
 
 
 @pytest.fixture

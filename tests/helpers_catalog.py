@@ -13,16 +13,16 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from catalog.models import Checkpoint
-from catalog.store import Catalog
-from catalog.views import CheckpointRow, CheckpointView, ReplicaView
-from safepoint.commit import commit
+from safepoint.catalog.models import Checkpoint
+from safepoint.catalog.store import Catalog
+from safepoint.catalog.views import CheckpointRow, CheckpointView, ReplicaView
+from safepoint.core.format import digest_bytes
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
 from safepoint.destinations import open_destination
-from safepoint.format import digest_bytes
-from safepoint.replicate import replicate
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
+from safepoint.local.commit import commit
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.replicate import replicate
 
 PATHS: dict[C, tuple[C, ...]] = {
     C.COMMITTED: (),

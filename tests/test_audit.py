@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from catalog.store import open_catalog
-from safepoint.audit import Baseline, TensorStat, Thresholds, norm_jumps, stat_keys, stat_rows, tensor_stat
-from safepoint.commit import commit
-from safepoint.config import Config
-from safepoint.errors import UsageError
-from safepoint.loaders import Problem
-from safepoint.pipeline import ingest
-from safepoint.states import CheckpointState as CS
-from safepoint.validation_settings import ValidationSettings
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import Config
+from safepoint.core.errors import UsageError
+from safepoint.core.states import CheckpointState as CS
+from safepoint.local.commit import commit
+from safepoint.ops.ingest import ingest
+from safepoint.validation.audit import Baseline, TensorStat, Thresholds, norm_jumps, stat_keys, stat_rows, tensor_stat
+from safepoint.validation.loaders import Problem
+from safepoint.validation.settings import ValidationSettings
 from tests.helpers_ckpt import make_torch_save_ckpt
 
 # ---------------------------------------------------------------------------------------- stats

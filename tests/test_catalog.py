@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from catalog import open_catalog
-from safepoint.errors import CatalogError
-from safepoint.format import FileEntry, build_manifest, digest_bytes
-from safepoint.redact import redact, redact_url
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
+from safepoint.catalog import open_catalog
+from safepoint.core.errors import CatalogError
+from safepoint.core.format import FileEntry, build_manifest, digest_bytes
+from safepoint.core.redact import redact, redact_url
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
 
 H = "ab" * 32
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from catalog import open_catalog
+from safepoint.catalog import open_catalog
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
+from safepoint.core.states import can_transition
 from safepoint.destinations import open_destination
-from safepoint.format import MARKER_NAME
-from safepoint.replicate import verify_replica
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
-from safepoint.states import can_transition
+from safepoint.ops.replicate import verify_replica
 from tests.helpers_catalog import durable, local_folder, seed
 
 pytestmark = pytest.mark.postgres
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.postgres
 # -- workers (module level: spawned processes import them) ---------------------------------------
 
 def _ingest(url: str, folder: str, dest: str, delay: float, barrier, out) -> None:
-    from safepoint import pipeline
-    from safepoint.errors import SafepointError
+    from safepoint.core.errors import SafepointError
+    from safepoint.ops import ingest as pipeline
 
     cat = open_catalog(url)
     cat.runs()  # connected and migrated before the start line
@@ -45,8 +45,8 @@ def _ingest(url: str, folder: str, dest: str, delay: float, barrier, out) -> Non
 
 
 def _prune(url: str, run: str, keep: int, delay: float, barrier, out) -> None:
-    from safepoint.prune import prune
-    from safepoint.retention import KeepLastN
+    from safepoint.ops.prune import prune
+    from safepoint.rules.retention import KeepLastN
 
     cat = open_catalog(url)
     cat.runs()
@@ -57,7 +57,7 @@ def _prune(url: str, run: str, keep: int, delay: float, barrier, out) -> None:
 
 
 def _scrub(url: str, replica_url: str, rounds: int, barrier, out) -> None:
-    from safepoint.pipeline import verify_url
+    from safepoint.ops.ingest import verify_url
 
     cat = open_catalog(url)
     cat.runs()

@@ -5,12 +5,12 @@ import os
 import pytest
 
 from safepoint import commit
-from safepoint.errors import CommitError
-from safepoint.format import MANIFEST_NAME, MARKER_NAME
-from safepoint.hashing import hash_path
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState
-from safepoint.verify import FileStatus
+from safepoint.core.errors import CommitError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
+from safepoint.core.hashing import hash_path
+from safepoint.core.states import CheckpointState
+from safepoint.core.verify import FileStatus
+from safepoint.local.snapshot import LocalSnapshot
 
 
 def make_folder(tmp_path, files=None):

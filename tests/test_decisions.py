@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safepoint.cli import main
-from safepoint.decisions import PENDING, is_good, resume_point
-from safepoint.format import FileEntry, build_manifest, digest_bytes
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
+from safepoint.cli.main import main
+from safepoint.core.format import FileEntry, build_manifest, digest_bytes
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
+from safepoint.rules.resume import PENDING, is_good, resume_point
 from tests.helpers_catalog import durable, seed, view
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -127,7 +127,7 @@ def _fake_checkpoint(catalog, run, step, state, reps, created, tags=()):
         assert catalog.transition(row.id, to)
     import sqlalchemy as sa
 
-    from catalog.models import Checkpoint
+    from safepoint.catalog.models import Checkpoint
     with catalog.engine.begin() as c:
         c.execute(sa.update(Checkpoint).where(Checkpoint.id == row.id).values(created_at=created))
 

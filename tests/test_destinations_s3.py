@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 from safepoint import commit
+from safepoint.core.errors import DestinationError, UsageError
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.states import CheckpointState, ReplicaState
+from safepoint.core.verify import FileStatus
 from safepoint.destinations import open_destination, retry
 from safepoint.destinations.retry import RetryPolicy
 from safepoint.destinations.s3 import S3Destination
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
-from safepoint.errors import DestinationError, UsageError
-from safepoint.format import MARKER_NAME
-from safepoint.replicate import replicate, verify_replica
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState, ReplicaState
-from safepoint.verify import FileStatus
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.replicate import replicate, verify_replica
 from tests.destinations_contract import *  # noqa: F403
 from tests.faultproxy import Fault
 from tests.helpers_ckpt import make_torch_save_ckpt
@@ -84,7 +84,7 @@ def test_multipart_upload_verifies_with_bounded_buffers(s3_env, big_snapshot):
 # -- helpers for the end-to-end cases ----------------------------------------------------------------
 
 def sp(*args) -> int:
-    from safepoint.cli import main
+    from safepoint.cli.main import main
 
     return main([str(a) for a in args])
 
@@ -193,7 +193,7 @@ def test_options_from_config_and_secrets_never_leak(s3_env, prefect_api, sqlite_
     code = sp("--catalog", cat, "ingest", folder2, "--to", url)
     printed = capsys.readouterr()
     assert code != 0
-    from catalog.store import open_catalog
+    from safepoint.catalog.store import open_catalog
 
     catalog = open_catalog(cat)
     row = catalog.get("cfg", 2)
@@ -213,7 +213,7 @@ def test_kill9_mid_upload_then_resume(s3_env, prefect_api, sqlite_catalog_url, t
     folder = committed_ckpt(tmp_path / "nvme", "kill", 5, big_mib=12)
     stall = fault_proxy.add(Fault("stall", method="PUT", match="partNumber=2", where="request", delay=120))
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "AWS_ENDPOINT_URL": fault_proxy.endpoint}
-    proc = subprocess.Popen([sys.executable, "-m", "safepoint.cli", "--catalog", cat, "ingest", str(folder),
+    proc = subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", "--catalog", cat, "ingest", str(folder),
                              "--to", url], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert stall.engaged.wait(120), "the upload never reached part 2"
@@ -240,7 +240,7 @@ def test_kill9_mid_upload_then_resume(s3_env, prefect_api, sqlite_catalog_url, t
     assert row["state"] == "verified" and row["replicas"][0]["state"] == "verified"
     assert dest.pending_uploads() == []
     assert verify_replica(dest, "kill", 5).outcome is CheckpointState.VERIFIED
-    from catalog.store import open_catalog
+    from safepoint.catalog.store import open_catalog
 
     (done,) = open_catalog(cat).events(kind="ingest.done")  # only the second run finished
     assert done["detail"]["bytes_reused"] >= (folder / "model.pt").stat().st_size  # landed before the kill
@@ -271,8 +271,8 @@ def test_reset_and_503_storm_is_retried_then_verified(s3_env, fault_proxy, big_s
 
 
 def test_endless_503_fails_cleanly_and_is_recorded(s3_env, fault_proxy, big_snapshot, sqlite_catalog):
-    from safepoint import pipeline
-    from safepoint.config import Config
+    from safepoint.core.config import Config
+    from safepoint.ops import ingest as pipeline
 
     fault_proxy.add(Fault("status", method="PUT", times=None))  # every upload, forever
     url = s3_env.url("down")
@@ -292,8 +292,8 @@ def test_endless_503_fails_cleanly_and_is_recorded(s3_env, fault_proxy, big_snap
 @pytest.mark.parametrize("times", [1, None])
 def test_bytes_damaged_in_flight_are_never_verified(s3_env, fault_proxy, big_snapshot, sqlite_catalog, times):
     """A flipped byte on the way up: the read-back catches it; sent again once (then verified) or failed."""
-    from safepoint import pipeline
-    from safepoint.config import Config
+    from safepoint.core.config import Config
+    from safepoint.ops import ingest as pipeline
 
     fault = fault_proxy.add(Fault("corrupt", method="PUT", match=r"shard-1\.bin\?.*partNumber=2", where="request",
                                   times=times))
@@ -442,7 +442,7 @@ def test_failed_s3_destination_does_not_sink_the_others(s3_env, prefect_api, sql
     (row,) = ls_json(cat, capsys)
     assert row["state"] == "verified"
     assert {r["url"]: r["state"] for r in row["replicas"]} == {f"{s3url}/half/4": "failed", f"{pfs}/half/4": "verified"}
-    from catalog.store import open_catalog
+    from safepoint.catalog.store import open_catalog
 
     catalog = open_catalog(cat)
     failed = next(r for r in catalog.replicas(catalog.get("half", 4).id) if r.url.startswith("s3://"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from safepoint import commit
-from safepoint.events import (
+from safepoint.events.markers import (
     Dispatcher,
     Marker,
     Policy,
@@ -23,8 +23,8 @@ from safepoint.events import (
     ingest_finished,
     trigger_parameters,
 )
-from safepoint.snapshot import LocalSnapshot
-from safepoint.watch import ChangeWaiter, EmitWatcher
+from safepoint.events.watch import ChangeWaiter, EmitWatcher
+from safepoint.local.snapshot import LocalSnapshot
 
 
 class FakeGateway:
@@ -73,7 +73,7 @@ def finish(catalog, m: Marker, state: str = "verified") -> None:
     """What the ingest flow records at its end."""
     row = catalog.get(m.run, m.step)
     if row is None:
-        from safepoint.pipeline import register
+        from safepoint.ops.ingest import register
 
         row = register(catalog, LocalSnapshot.open(m.snapshot))
     catalog.add_event("ingest.done", checkpoint_id=row.id, detail={
@@ -102,7 +102,7 @@ def test_payload_carries_the_flow_parameters_with_their_native_types(tmp_path):
         if isinstance(template, str) and template.startswith("{{ event.payload."):
             field = template.removeprefix("{{ event.payload.").removesuffix(" }}")
             assert field in p, name
-    from flows.ingest import ingest
+    from safepoint.flows.ingest import ingest
 
     params = set(ingest.parameters.properties)
     assert set(trigger_parameters()) <= params and set(m.parameters()) <= params
@@ -195,7 +195,7 @@ def test_ingest_done_matches_by_snapshot_and_manifest_too(tmp_path, sqlite_catal
     snap = committed(tmp_path)
     m = Marker.of(snap, ["file:///d"], "n0")
     assert ingest_finished(sqlite_catalog, m) is None
-    from safepoint.pipeline import register
+    from safepoint.ops.ingest import register
 
     row = register(sqlite_catalog, snap)
     sqlite_catalog.add_event("ingest.done", checkpoint_id=row.id, detail={
@@ -254,7 +254,7 @@ def test_served_deployments_match_prefect_yaml():
     """`safepoint serve` and prefect.yaml declare the same deployments, triggers and parameters."""
     import yaml
 
-    from flows.deployments import build
+    from safepoint.flows.deployments import build
 
     served = {d.name: d for d in build(["file:///d"], scrub_every_s=3600, completeness_every_s=60)}
     assert set(served) == {"ingest", "scrub", "completeness"}

@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from safepoint import commit, leases
-from safepoint.config import Config
-from safepoint.snapshot import LocalSnapshot
+from safepoint import commit
+from safepoint.core.config import Config
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops import leases
 
 
 def run_threads(n: int, body) -> None:
@@ -89,7 +90,7 @@ def test_slot_caps_concurrency(catalog):
 
 
 def test_ingest_exclusivity_is_per_checkpoint_part_and_destination(tmp_path, catalog):
-    from tasks.ingest import exclusive
+    from safepoint.tasks.ingest import exclusive
 
     folder = tmp_path / "s"
     folder.mkdir()

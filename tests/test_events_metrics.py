@@ -10,11 +10,12 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from safepoint import commit, metrics
-from safepoint import progress as progress_
-from safepoint.config import Config
-from safepoint.pipeline import ingest
-from safepoint.states import CheckpointState as CS
+from safepoint import commit
+from safepoint.core.config import Config
+from safepoint.core.states import CheckpointState as CS
+from safepoint.ops import metrics
+from safepoint.ops import progress as progress_
+from safepoint.ops.ingest import ingest
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

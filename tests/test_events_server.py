@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from safepoint import commit
-from safepoint.events import Marker
-from safepoint.snapshot import LocalSnapshot
+from safepoint.events.markers import Marker
+from safepoint.local.snapshot import LocalSnapshot
 from tests.prefect_server import PrefectServer, stop_group
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ class Stack:
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.base / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli", *args], env=self.env(), stdout=log,
+        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", *args], env=self.env(), stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True, cwd=str(self.base))
         self.procs.append(p)
         return p
@@ -94,7 +94,7 @@ def stack(tmp_path_factory):
 
 
 def catalog(stack):
-    from catalog.store import open_catalog
+    from safepoint.catalog.store import open_catalog
 
     return open_catalog(stack.catalog_url)
 
@@ -232,7 +232,7 @@ def test_three_nodes_six_ranks_and_a_killed_node(stack):
     print(f"\nkilled node -> incomplete: {time.monotonic() - t1:.1f}s (timeout {TIMEOUT_S}s)")
     row = catalog(stack).get("mn", 200)
     assert row.delivered_ranks == (0, 1, 2, 3) and "4, 5" in row.error
-    from safepoint.decisions import resume_point
+    from safepoint.rules.resume import resume_point
 
     assert resume_point(catalog(stack).list_checkpoints("mn")).chosen.step == 100
     # Nothing hangs: every ingest run has finished, none waits for the dead node.

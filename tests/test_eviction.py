@@ -7,12 +7,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from catalog.views import LocalCopy
-from safepoint.cli import main
-from safepoint.eviction import Usage, evict, plan_eviction
-from safepoint.format import MARKER_NAME
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
+from safepoint.catalog.views import LocalCopy
+from safepoint.cli.main import main
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
+from safepoint.ops.evict import Usage, evict, plan_eviction
 from tests.helpers_catalog import local_folder, seed
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

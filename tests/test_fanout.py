@@ -7,13 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safepoint import commit, fanout
-from safepoint.config import Config
-from safepoint.errors import UsageError
-from safepoint.format import FileEntry
-from safepoint.pipeline import ingest
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint import commit
+from safepoint.core.config import Config
+from safepoint.core.errors import UsageError
+from safepoint.core.format import FileEntry
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.flows import fanout
+from safepoint.ops.ingest import ingest
 
 
 def files(*sizes: int) -> list[FileEntry]:
@@ -77,7 +78,7 @@ def dask_cluster():
 
 def test_verification_fans_out_over_two_dask_workers(tmp_path, prefect_api, sqlite_catalog_url, sqlite_catalog,
                                                      safepoint_home, dask_cluster):
-    from flows.scrub import verify_fanout
+    from safepoint.flows.scrub import verify_fanout
 
     cluster, stream = dask_cluster
     (safepoint_home / "config.toml").write_text(

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from safepoint.errors import FormatError
-from safepoint.format import (
+from safepoint.core.errors import FormatError
+from safepoint.core.format import (
     FileEntry,
     build_manifest,
     digest_bytes,

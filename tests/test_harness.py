@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from safepoint.errors import UsageError
-from safepoint.harness import (
+from safepoint.core.errors import UsageError
+from safepoint.validation.harness import (
     Found,
     HarnessError,
     TensorSpec,
@@ -22,9 +22,9 @@ from safepoint.harness import (
     find_optimizer,
     resolve_model_prefix,
 )
-from safepoint.loaders import Problem
-from safepoint.validate import ValidationReport, validate_snapshot
-from safepoint.validation_settings import ValidationSettings
+from safepoint.validation.loaders import Problem
+from safepoint.validation.settings import ValidationSettings
+from safepoint.validation.validate import ValidationReport, validate_snapshot
 from tests.helpers_ckpt import (
     make_dcp_ckpt,
     make_malicious_pickle,

@@ -9,11 +9,11 @@ import json
 import pytest
 
 import safepoint
-from safepoint.cli import main
-from safepoint.errors import CatalogError
-from safepoint.format import FileEntry, build_manifest, digest_bytes
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState as C
+from safepoint.cli.main import main
+from safepoint.core.errors import CatalogError
+from safepoint.core.format import FileEntry, build_manifest, digest_bytes
+from safepoint.core.states import CheckpointState as C
+from safepoint.local.snapshot import LocalSnapshot
 from tests.helpers_catalog import seed
 
 

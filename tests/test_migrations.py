@@ -10,8 +10,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from catalog import db
-from catalog.models import Base
+from safepoint.catalog import db
+from safepoint.catalog.models import Base
 
 HEAD = "0002_declared_parent"
 TABLES = {"runs", "checkpoints", "checkpoint_files", "checkpoint_ranks", "replicas", "validations",
@@ -132,7 +132,7 @@ def test_concurrent_upgrade(catalog_url):
 
 @pytest.mark.parametrize("rev", ["head"])
 def test_open_catalog_upgrades_once(catalog_url, rev, monkeypatch):
-    from catalog import open_catalog
+    from safepoint.catalog import open_catalog
 
     calls = []
     real = db.upgrade

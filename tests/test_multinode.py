@@ -14,17 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from safepoint import assemble, commit
-from safepoint.completeness import Completeness, assess
-from safepoint.config import Config
-from safepoint.decisions import resume_point
+from safepoint import commit
+from safepoint.core.config import Config
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME, build_manifest, digest_bytes
+from safepoint.core.states import CheckpointState as CS
 from safepoint.destinations import open_destination
-from safepoint.errors import FormatError
-from safepoint.format import MARKER_NAME, build_manifest, digest_bytes
-from safepoint.parts import PARTS_DIR, Assembly, merge_manifests
-from safepoint.parts import assemble as assemble_parts
-from safepoint.pipeline import ingest
-from safepoint.states import CheckpointState as CS
+from safepoint.destinations.parts import PARTS_DIR, Assembly, merge_manifests
+from safepoint.destinations.parts import assemble as assemble_parts
+from safepoint.ops import assemble
+from safepoint.ops.ingest import ingest
+from safepoint.rules.completeness import Completeness, assess
+from safepoint.rules.resume import resume_point
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 S = timedelta(seconds=1)
@@ -64,7 +65,7 @@ def test_assess_rejects_bad_input(world, expected):
 # -- merge: pure and deterministic ---------------------------------------------------------------
 
 def _part(ranks, node, files, world=6, created="2026-01-01T00:00:00.000000Z", parent=None, meta=None):
-    from safepoint.format import FileEntry
+    from safepoint.core.format import FileEntry
 
     m = build_manifest("r", 7, [FileEntry(p, len(p), (c * 64)[:64]) for p, c in files], world_size=world,
                        ranks=tuple(ranks), node=node, created=created, parent=parent, meta=meta or {})
@@ -140,7 +141,7 @@ def test_three_nodes_become_verified_when_all_deliver(tmp_path, catalog, cfg):
     assert merged["ranks"] == list(range(6)) and merged["node"] is None
     assert [p["node"] for p in merged["meta"]["parts"]] == ["n0", "n1", "n2"]
     # The assembled replica verifies as a whole, like any snapshot.
-    from safepoint.pipeline import verify_url
+    from safepoint.ops.ingest import verify_url
 
     report, _ = verify_url(catalog, f"{durable}/mn/10", cfg)
     assert report.outcome is CS.VERIFIED and len(report.files) == 7
@@ -181,8 +182,8 @@ def test_lost_node_times_out_incomplete_and_a_late_part_completes_the_set(tmp_pa
 
 def test_all_ranks_registered_but_a_part_never_replicated(tmp_path, catalog, cfg):
     """The last node registered but died before its part committed: the timeout still fires."""
-    from safepoint.pipeline import register
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.ingest import register
 
     durable = (tmp_path / "durable").as_uri()
     ingest(make_part(tmp_path, "mn", 3, "n0", (0, 1, 2)), [durable], catalog, cfg)
@@ -198,8 +199,8 @@ def test_all_ranks_registered_but_a_part_never_replicated(tmp_path, catalog, cfg
 
 def test_periodic_check_assembles_a_set_nobody_finished(tmp_path, catalog, cfg):
     """Every part committed at the destination but the last ingest died before assembling."""
-    from safepoint.pipeline import register
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.ingest import register
 
     durable = (tmp_path / "durable").as_uri()
     ingest(make_part(tmp_path, "mn", 4, "n0", (0, 1, 2)), [durable], catalog, cfg)
@@ -227,9 +228,9 @@ def test_corrupt_local_part_is_corrupt(tmp_path, catalog, cfg):
 
 
 def test_assembly_waits_for_parts_and_refuses_a_foreign_part(tmp_path, catalog, cfg):
-    from safepoint.parts import PartDestination, part_key
-    from safepoint.replicate import replicate
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.destinations.parts import PartDestination, part_key
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.replicate import replicate
 
     dest = open_destination((tmp_path / "durable").as_uri())
     a = LocalSnapshot.open(make_part(tmp_path, "mn", 2, "n0", (0, 1, 2)))
@@ -254,10 +255,10 @@ def test_reserved_prefix_is_refused(tmp_path, catalog, cfg):
 
 def test_flows_parts_then_completeness(tmp_path, prefect_api, sqlite_catalog_url, sqlite_catalog, monkeypatch):
     """The same rules through the Prefect flows: ingest per part, then the periodic completeness flow."""
-    from flows.completeness import check_completeness
-    from flows.ingest import ingest as ingest_flow
-    from safepoint.pipeline import register
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.flows.completeness import check_completeness
+    from safepoint.flows.ingest import ingest as ingest_flow
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.ingest import register
 
     monkeypatch.setenv("SAFEPOINT_MULTINODE_TIMEOUT_S", "600")
     durable = (tmp_path / "durable").as_uri()
@@ -289,9 +290,9 @@ def test_flows_parts_then_completeness(tmp_path, prefect_api, sqlite_catalog_url
 def test_refused_part_through_the_flow_is_recorded_for_the_watcher(tmp_path, prefect_api, sqlite_catalog_url,
                                                                   sqlite_catalog):
     """A part the flow refuses ends with `ingest.done` too, so its watcher stops re-dispatching it."""
-    from flows.ingest import ingest as ingest_flow
-    from safepoint.events import Marker, ingest_finished
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.events.markers import Marker, ingest_finished
+    from safepoint.flows.ingest import ingest as ingest_flow
+    from safepoint.local.snapshot import LocalSnapshot
 
     folder = tmp_path / "n0" / "x"
     (folder / ".safepoint").mkdir(parents=True)
@@ -307,7 +308,7 @@ def test_refused_part_through_the_flow_is_recorded_for_the_watcher(tmp_path, pre
 
 def test_parts_command_shows_missing_ranks_and_applies_timeouts(tmp_path, sqlite_catalog, sqlite_catalog_url, cfg,
                                                                capsys):
-    from safepoint.cli import main
+    from safepoint.cli.main import main
 
     durable = (tmp_path / "durable").as_uri()
     ingest(make_part(tmp_path, "pc", 1, "n0", NODES["n0"]), [durable], sqlite_catalog, cfg)

@@ -13,14 +13,14 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safepoint import retention as rt
-from safepoint.cli import main
-from safepoint.decisions import PENDING, is_good
-from safepoint.errors import UsageError
-from safepoint.format import MANIFEST_NAME, MARKER_NAME
-from safepoint.prune import execute, execute_plan
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
+from safepoint.cli.main import main
+from safepoint.core.errors import UsageError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
+from safepoint.ops.prune import execute, execute_plan
+from safepoint.rules import retention as rt
+from safepoint.rules.resume import PENDING, is_good
 from tests.helpers_catalog import durable, local_folder, seed, view
 
 NOW = datetime(2026, 6, 1, tzinfo=timezone.utc)
@@ -127,7 +127,7 @@ def test_invariants_are_per_run():
 
 
 def test_keep_last_plan_shorthand_and_old_import_path():
-    from safepoint.decisions import RetentionPlan, keep_last_plan
+    from safepoint.rules.resume import RetentionPlan, keep_last_plan
 
     p = keep_last_plan(hist(*GOOD5), 3)
     assert isinstance(p, RetentionPlan) and deleted(p) == [1, 2]
@@ -268,7 +268,7 @@ def test_interrupted_deletion_is_finished_next_time(catalog, tmp_path, monkeypat
 
 
 def test_local_folder_reused_by_a_newer_checkpoint_is_left_alone(catalog, tmp_path):
-    from safepoint.eviction import remove_local_snapshot
+    from safepoint.ops.evict import remove_local_snapshot
 
     seed(catalog, tmp_path, "u", 1)
     folder = local_folder(tmp_path, "u", 1)
@@ -351,15 +351,15 @@ def test_retention_deployment_is_scheduled():
     dep = {d["name"]: d for d in doc["deployments"]}["retention"]
     assert dep["entrypoint"] == "flows/retention.py:retention"
     assert dep["schedules"][0]["cron"].split()[1:] == ["*", "*", "*", "*"]
-    from flows.retention import retention
+    from safepoint.flows.retention import retention
 
     assert set(dep["parameters"]) <= set(retention.parameters.properties)
     rt.policy_from_spec(dep["parameters"]["policy"])
 
 
 def test_retention_flow_prunes_and_evicts(prefect_api, sqlite_catalog_url, tmp_path):
-    from catalog import open_catalog
-    from flows.retention import retention
+    from safepoint.catalog import open_catalog
+    from safepoint.flows.retention import retention
 
     cat = open_catalog(sqlite_catalog_url)
     for s in (1, 2, 3, 4):

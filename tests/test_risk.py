@@ -10,10 +10,10 @@ from decimal import Decimal, getcontext
 
 import pytest
 
-from safepoint.cli import main
-from safepoint.risk import assess, findings_from_events, p_corrupt, suggest_cadence
-from safepoint.states import CheckpointState as C
-from safepoint.states import ReplicaState as R
+from safepoint.cli.main import main
+from safepoint.core.states import CheckpointState as C
+from safepoint.core.states import ReplicaState as R
+from safepoint.rules.risk import assess, findings_from_events, p_corrupt, suggest_cadence
 from tests.helpers_catalog import durable, seed
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from safepoint import commit, scrub
-from safepoint.config import Config
-from safepoint.format import FileEntry, build_manifest
-from safepoint.pipeline import ingest
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint import commit
+from safepoint.core.config import Config
+from safepoint.core.format import FileEntry, build_manifest
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.ops import scrub
+from safepoint.ops.ingest import ingest
 
 
 def manifest(n: int):
@@ -60,7 +61,7 @@ def ingested(tmp_path: Path, catalog, step: int, files: int = 6) -> Path:
 
 
 def test_scrub_flow_rotates_and_finds_rot(tmp_path, prefect_api, sqlite_catalog_url, sqlite_catalog):
-    from flows.scrub import scrub_replicas
+    from safepoint.flows.scrub import scrub_replicas
 
     for step in (1, 2):
         ingested(tmp_path, sqlite_catalog, step)
@@ -80,7 +81,7 @@ def test_scrub_flow_rotates_and_finds_rot(tmp_path, prefect_api, sqlite_catalog_
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    from safepoint.format import build_manifest as bm
+    from safepoint.core.format import build_manifest as bm
 
     index = scrub.slice_of("sc", 2, victim, 3)
     other = (index + 1) % 3

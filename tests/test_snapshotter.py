@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from safepoint.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX
-from safepoint.hashing import hash_path
-from safepoint.snapshot import LocalSnapshot
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX
+from safepoint.core.hashing import hash_path
+from safepoint.core.states import CheckpointState
+from safepoint.local.snapshot import LocalSnapshot
 from safepoint.snapshotter import (
     MemInfo,
     MemoryFloorError,
@@ -23,8 +24,7 @@ from safepoint.snapshotter import (
     load,
 )
 from safepoint.snapshotter.writer import Writer
-from safepoint.states import CheckpointState
-from safepoint.validate import validate_snapshot
+from safepoint.validation.validate import validate_snapshot
 
 MiB = 1024 * 1024
 SHARD = "rank-00000-of-00001.safetensors"
@@ -141,7 +141,7 @@ def test_header_records_the_structure_as_json(tmp_path):
 
     with safe_open(str(tmp_path / "nvme" / "run-a" / "1" / SHARD), framework="pt") as f:
         md = f.metadata()
-    assert md["format"] == "safepoint.snapshot" and md["world_size"] == "1" and md["step"] == "1"
+    assert md["format"] == "safepoint.local.snapshot" and md["world_size"] == "1" and md["step"] == "1"
     assert json.loads(md["structure"]) == {"dict": [["a", {"list": [{"tensor": "a.0"}, {"value": 3}]}]]}
 
 
@@ -437,7 +437,7 @@ def test_a_crashed_writer_thread_fails_every_save_and_never_hangs(tmp_path, monk
 # ----------------------------------------------------------------------------------- pipeline
 
 def test_snapshot_ingests_through_the_pipeline(tmp_path, sqlite_catalog):
-    from safepoint.pipeline import ingest
+    from safepoint.ops.ingest import ingest
 
     with snapshotter(tmp_path) as snap:
         h = snap.save(11, nested_state())

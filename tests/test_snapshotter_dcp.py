@@ -7,11 +7,11 @@ import warnings
 import pytest
 import torch
 
-from safepoint.errors import UsageError
-from safepoint.format import MARKER_NAME
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState
-from safepoint.validate import validate_snapshot
+from safepoint.core.errors import UsageError
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.states import CheckpointState
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.validation.validate import validate_snapshot
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -31,7 +31,7 @@ def _quiet():
 
 @pytest.mark.parametrize("mode", ["save", "async_save"])
 def test_dcp_output_is_committed_after_metadata(tmp_path, mode):
-    from safepoint.dcp_writer import SafepointWriter
+    from safepoint.snapshotter.dcp_writer import SafepointWriter
 
     folder = tmp_path / "run-d" / "20"
     writer = SafepointWriter(folder, run="run-d", meta={"tags": ["dcp"]})  # step from the folder name
@@ -51,7 +51,7 @@ def test_dcp_output_is_committed_after_metadata(tmp_path, mode):
 
 
 def test_a_committed_folder_is_refused(tmp_path):
-    from safepoint.dcp_writer import SafepointWriter
+    from safepoint.snapshotter.dcp_writer import SafepointWriter
 
     folder = tmp_path / "run-d" / "3"
     dcp.save(state(), storage_writer=SafepointWriter(folder, run="run-d"))
@@ -62,7 +62,7 @@ def test_a_committed_folder_is_refused(tmp_path):
 
 
 def test_step_must_be_given_or_be_the_folder_name(tmp_path):
-    from safepoint.dcp_writer import SafepointWriter
+    from safepoint.snapshotter.dcp_writer import SafepointWriter
 
     with pytest.raises(BaseException, match="step"):
         dcp.save(state(), storage_writer=SafepointWriter(tmp_path / "latest", run="run-d"))
@@ -74,8 +74,8 @@ def test_step_must_be_given_or_be_the_folder_name(tmp_path):
 
 
 def test_dcp_snapshot_ingests(tmp_path, sqlite_catalog):
-    from safepoint.dcp_writer import SafepointWriter
-    from safepoint.pipeline import ingest
+    from safepoint.ops.ingest import ingest
+    from safepoint.snapshotter.dcp_writer import SafepointWriter
 
     folder = tmp_path / "run-d" / "30"
     dcp.save(state(), storage_writer=SafepointWriter(folder, run="run-d"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from safepoint.format import MANIFEST_NAME, MARKER_NAME
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -62,9 +62,9 @@ def run_ranks(tmp_path: Path, scenario: str, world: int = 2, **env_extra: str) -
 def test_two_ranks_commit_once_with_world_size_2(tmp_path):
     import torch
 
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.local.snapshot import LocalSnapshot
     from safepoint.snapshotter import load
-    from safepoint.validate import validate_snapshot
+    from safepoint.validation.validate import validate_snapshot
 
     results = run_ranks(tmp_path, "both")
     assert [r["rc"] for r in results] == [0, 0], [r["stderr"] for r in results]
@@ -140,7 +140,7 @@ def worker(scenario: str, tmp: str) -> int:
         if scenario == "both":
             import torch.distributed.checkpoint as dcp
 
-            from safepoint.dcp_writer import SafepointWriter
+            from safepoint.snapshotter.dcp_writer import SafepointWriter
 
             dcp.save(rank_state(rank)["model"], storage_writer=SafepointWriter(
                 Path(tmp) / "nvme" / "run-mr-dcp" / "10", run="run-mr-dcp"))

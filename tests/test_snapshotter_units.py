@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safepoint.errors import FormatError
+from safepoint.core.errors import FormatError
 from safepoint.snapshotter.layout import plan_file, shard_name
 from safepoint.snapshotter.memory import MemInfo, floor_allows, read_meminfo
 from safepoint.snapshotter.pool import BufferPool, choose_buffer_bytes, plan_sizes
@@ -61,7 +61,7 @@ def test_bad_structures_are_refused(tree, why):
 
 
 def test_layout_is_standard_safetensors_aligned_and_gapless():
-    from safepoint.loaders.safetensors_file import read_header
+    from safepoint.validation.loaders.safetensors_file import read_header
 
     specs = [("u8", torch.uint8, (3,)), ("f64", torch.float64, (5,)), ("bf16", torch.bfloat16, (7, 1)),
              ("f32", torch.float32, ()), ("empty", torch.float32, (0, 3))]

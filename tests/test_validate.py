@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from safepoint.loaders import DcpCheckpoint, iter_file_tensors
-from safepoint.validate import (
+from safepoint.validation.loaders import DcpCheckpoint, iter_file_tensors
+from safepoint.validation.validate import (
     Limits,
     Problem,
     ValidationReport,
@@ -348,7 +348,7 @@ def test_missing_folder_is_data_not_exception(tmp_path: Path) -> None:
 
 def test_leaf_names_are_the_same_for_torch_save_and_dcp(dcp_folder: Path, tmp_path: Path) -> None:
     """One naming for every format (DCP's flattening), so the harness and the audit see the same names."""
-    from safepoint.loaders import TensorSource, iter_file_leaves
+    from safepoint.validation.loaders import TensorSource, iter_file_leaves
 
     make_torch_save_ckpt(tmp_path)
     pt = dict(iter_file_leaves(tmp_path / "model.pt"))
@@ -364,7 +364,7 @@ def test_leaf_names_are_the_same_for_torch_save_and_dcp(dcp_folder: Path, tmp_pa
 
 
 def test_safetensors_pieces_reuse_one_buffer(tmp_path: Path) -> None:
-    from safepoint.loaders import iter_file_leaves
+    from safepoint.validation.loaders import iter_file_leaves
 
     make_safetensors_ckpt(tmp_path)
     leaves = iter_file_leaves(tmp_path / "model.safetensors")
@@ -376,8 +376,8 @@ def test_safetensors_pieces_reuse_one_buffer(tmp_path: Path) -> None:
 
 
 def test_cli_validate_with_model_checks_the_manifest_step(tmp_path: Path, capsys) -> None:
-    from safepoint.cli import main
-    from safepoint.commit import commit
+    from safepoint.cli.main import main
+    from safepoint.local.commit import commit
 
     make_torch_save_ckpt(tmp_path)  # records "step": 2
     commit(tmp_path, "cli", 100)

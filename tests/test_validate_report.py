@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from catalog.store import open_catalog
-from safepoint.cli import main
-from safepoint.commit import commit
-from safepoint.pipeline import ingest
-from safepoint.validation_report import artifact_key, finding_rows, markdown, tensor_rows
+from safepoint.catalog.store import open_catalog
+from safepoint.cli.main import main
+from safepoint.local.commit import commit
+from safepoint.ops.ingest import ingest
+from safepoint.validation.report import artifact_key, finding_rows, markdown, tensor_rows
 from tests.helpers_ckpt import make_torch_save_ckpt
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from safepoint.format import FileEntry
-from safepoint.states import CheckpointState as CS
-from safepoint.verify import FileStatus as F
-from safepoint.verify import check_file, outcome_of
+from safepoint.core.format import FileEntry
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.verify import FileStatus as F
+from safepoint.core.verify import check_file, outcome_of
 
 E = FileEntry("a", 10, "ab" * 32)
 

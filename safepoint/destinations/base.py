@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from safepoint.format import MANIFEST_NAME, MARKER_NAME, FileEntry
-from safepoint.layout import join, snapshot_key
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
+from safepoint.core.naming import join, snapshot_key
 
 
 class Destination(ABC):

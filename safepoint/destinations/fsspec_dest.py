@@ -7,12 +7,12 @@ from typing import Any
 
 import fsspec
 
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME, FileEntry, check_run
+from safepoint.core.hashing import CHUNK, hash_stream, new_hasher, read_chunks
+from safepoint.core.naming import file_url, join, snapshot_key
+from safepoint.core.redact import redact
 from safepoint.destinations.base import Destination
-from safepoint.errors import FormatError
-from safepoint.format import MARKER_NAME, FileEntry, check_run
-from safepoint.hashing import CHUNK, hash_stream, new_hasher, read_chunks
-from safepoint.layout import file_url, join, snapshot_key
-from safepoint.redact import redact
 
 
 class FsspecDestination(Destination):

@@ -6,10 +6,10 @@ import os
 import stat
 from pathlib import Path
 
-from safepoint.commit import fsync_path
+from safepoint.core.format import TMP_PREFIX, FileEntry
+from safepoint.core.hashing import CHUNK, hash_path, new_hasher
 from safepoint.destinations.fsspec_dest import FsspecDestination
-from safepoint.format import TMP_PREFIX, FileEntry
-from safepoint.hashing import CHUNK, hash_path, new_hasher
+from safepoint.local.commit import fsync_path
 
 
 class LocalDestination(FsspecDestination):

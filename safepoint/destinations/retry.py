@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from safepoint.errors import DestinationError
-from safepoint.redact import redact
+from safepoint.core.errors import DestinationError
+from safepoint.core.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -40,15 +40,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from safepoint.core.errors import DestinationError, FormatError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, MAX_MANIFEST_BYTES, FileEntry, check_run
+from safepoint.core.hashing import new_hasher
+from safepoint.core.naming import snapshot_key
+from safepoint.core.redact import redact
 from safepoint.destinations import retry
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.fsspec_dest import FsspecDestination
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
-from safepoint.errors import DestinationError, FormatError
-from safepoint.format import MANIFEST_NAME, MARKER_NAME, MAX_MANIFEST_BYTES, FileEntry, check_run
-from safepoint.hashing import new_hasher
-from safepoint.layout import snapshot_key
-from safepoint.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from safepoint.core.errors import UsageError
 from safepoint.destinations.retry import RetryPolicy
-from safepoint.errors import UsageError
 
 MiB = 1024 * 1024
 MIN_PART = 5 * MiB          # S3's minimum part size (all parts but the last)

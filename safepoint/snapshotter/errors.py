@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from safepoint.errors import SafepointError
+from safepoint.core.errors import SafepointError
 
 
 class SnapshotError(SafepointError):

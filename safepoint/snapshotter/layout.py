@@ -19,7 +19,7 @@ import torch
 from safepoint.snapshotter.errors import UnsupportedState
 
 SHARD_SUFFIX = ".safetensors"
-META_FORMAT = "safepoint.snapshot"
+META_FORMAT = "safepoint.local.snapshot"
 META_VERSION = "1"
 
 # torch dtype -> safetensors dtype name (only names both safetensors and Safepoint's validator know).

@@ -13,14 +13,14 @@ import json
 import os
 from typing import Any
 
-from safepoint.errors import FormatError, UsageError
-from safepoint.hashing import hash_path
-from safepoint.loaders.base import LoadError
-from safepoint.loaders.safetensors_file import read_header
-from safepoint.snapshot import LocalSnapshot
+from safepoint.core.errors import FormatError, UsageError
+from safepoint.core.hashing import hash_path
+from safepoint.local.snapshot import LocalSnapshot
 from safepoint.snapshotter.errors import SnapshotError
 from safepoint.snapshotter.layout import META_FORMAT, shard_name
 from safepoint.snapshotter.structure import tensor_names, unflatten
+from safepoint.validation.loaders.base import LoadError
+from safepoint.validation.loaders.safetensors_file import read_header
 
 
 def load_file(path: str | os.PathLike, *, device: str = "cpu") -> Any:

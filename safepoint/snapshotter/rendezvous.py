@@ -16,9 +16,9 @@ import os
 import time
 from pathlib import Path
 
-from safepoint.errors import FormatError
-from safepoint.format import MARKER_NAME, TMP_PREFIX, FileEntry, Manifest, safe_relpath
-from safepoint.snapshot import LocalSnapshot
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME, TMP_PREFIX, FileEntry, Manifest, safe_relpath
+from safepoint.local.snapshot import LocalSnapshot
 from safepoint.snapshotter.errors import CommitTimeout, SnapshotError
 
 DONE_VERSION = 1

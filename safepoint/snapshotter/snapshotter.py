@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from safepoint.commit import commit
-from safepoint.format import MARKER_NAME, FileEntry, Manifest, check_run, check_step
+from safepoint.core.format import MARKER_NAME, FileEntry, Manifest, check_run, check_step
+from safepoint.local.commit import commit
 from safepoint.snapshotter.errors import SnapshotError
 from safepoint.snapshotter.layout import META_FORMAT, META_VERSION, plan_file, shard_name
 from safepoint.snapshotter.memory import MemoryGuard, read_meminfo

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from safepoint.errors import FormatError
+from safepoint.core.errors import FormatError
 from safepoint.snapshotter.errors import UnsupportedState
 
 STRUCTURE_VERSION = 1

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safepoint.format import TMP_PREFIX, FileEntry, Manifest
-from safepoint.hashing import new_hasher
+from safepoint.core.format import TMP_PREFIX, FileEntry, Manifest
+from safepoint.core.hashing import new_hasher
 from safepoint.snapshotter.errors import SnapshotError
 from safepoint.snapshotter.layout import FileLayout
 from safepoint.snapshotter.pool import BufferPool

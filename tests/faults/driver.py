@@ -80,7 +80,7 @@ class Phases:
 
 def _traced_pipeline(phase: Phases) -> None:
     """Make the pipeline's steps announce themselves (pipeline.ingest calls them by module name)."""
-    from safepoint import pipeline
+    from safepoint.ops import ingest as pipeline
 
     for name, label in (("register", "register"), ("replicate_to", "replicate"),
                         ("settle_replication", "settle"), ("validate_checkpoint", "validate")):
@@ -98,11 +98,11 @@ def _traced_pipeline(phase: Phases) -> None:
 def op_lifecycle(*, folder: str, run: str, step: int, dest: str, catalog_url: str, keep_last: int,
                  phase: Phases) -> dict[str, Any]:
     """What a training node's Safepoint does for one checkpoint: commit, ingest, then retention."""
-    from catalog.store import open_catalog
-    from safepoint import pipeline
-    from safepoint.commit import commit
-    from safepoint.prune import prune
-    from safepoint.retention import KeepLastN
+    from safepoint.catalog.store import open_catalog
+    from safepoint.local.commit import commit
+    from safepoint.ops import ingest as pipeline
+    from safepoint.ops.prune import prune
+    from safepoint.rules.retention import KeepLastN
 
     phase("commit")
     commit(folder, run, step)
@@ -117,8 +117,8 @@ def op_lifecycle(*, folder: str, run: str, step: int, dest: str, catalog_url: st
 
 
 def op_ingest(*, folder: str, dest: list[str] | str, catalog_url: str, phase: Phases) -> dict[str, Any]:
-    from catalog.store import open_catalog
-    from safepoint import pipeline
+    from safepoint.catalog.store import open_catalog
+    from safepoint.ops import ingest as pipeline
 
     _traced_pipeline(phase)
     out = pipeline.ingest(folder, [dest] if isinstance(dest, str) else dest, open_catalog(catalog_url))
@@ -126,9 +126,9 @@ def op_ingest(*, folder: str, dest: list[str] | str, catalog_url: str, phase: Ph
 
 
 def op_prune(*, run: str, catalog_url: str, keep_last: int, phase: Phases) -> dict[str, Any]:
-    from catalog.store import open_catalog
-    from safepoint.prune import prune
-    from safepoint.retention import KeepLastN
+    from safepoint.catalog.store import open_catalog
+    from safepoint.ops.prune import prune
+    from safepoint.rules.retention import KeepLastN
 
     phase("prune")
     res = prune(open_catalog(catalog_url), [run], KeepLastN(keep_last), now=datetime.now(timezone.utc))
@@ -138,8 +138,8 @@ def op_prune(*, run: str, catalog_url: str, keep_last: int, phase: Phases) -> di
 def op_crash_before_catalog(*, folder: str, dest: str, catalog_url: str, phase: Phases) -> dict[str, Any]:
     """Ingest, but die (SIGKILL) the moment the replica is committed at the destination and the
     catalog is about to record it verified: the "crash between upload and catalog commit"."""
-    from catalog.store import Catalog
-    from safepoint.states import ReplicaState
+    from safepoint.catalog.store import Catalog
+    from safepoint.core.states import ReplicaState
 
     real = Catalog.set_replica
 
@@ -155,7 +155,7 @@ def op_crash_before_catalog(*, folder: str, dest: str, catalog_url: str, phase: 
 
 def op_ingest_hostile(*, folder: str, dest: str, catalog_url: str, phase: Phases) -> dict[str, Any]:
     """Ingest a checkpoint someone handed us: a refusal is a result, not a crash."""
-    from safepoint.errors import SafepointError
+    from safepoint.core.errors import SafepointError
 
     try:
         return op_ingest(folder=folder, dest=dest, catalog_url=catalog_url, phase=phase)
@@ -166,9 +166,9 @@ def op_ingest_hostile(*, folder: str, dest: str, catalog_url: str, phase: Phases
 def op_commit_ingest(*, folder: str, run: str, step: int, dest: str, catalog_url: str, phase: Phases
                      ) -> dict[str, Any]:
     """Commit then ingest, timing each (the 100,000-file case)."""
-    from catalog.store import open_catalog
-    from safepoint import pipeline
-    from safepoint.commit import commit
+    from safepoint.catalog.store import open_catalog
+    from safepoint.local.commit import commit
+    from safepoint.ops import ingest as pipeline
 
     t0 = time.perf_counter()
     phase("commit")
@@ -210,12 +210,12 @@ def serve(catalog_url: str | None) -> None:
     # Import everything a child needs, once (the point of the fork server).
     import torch  # noqa: F401
 
-    import safepoint.pipeline  # noqa: F401
-    import safepoint.prune  # noqa: F401
-    import safepoint.reconcile  # noqa: F401
-    import safepoint.retention  # noqa: F401
-    import safepoint.validate  # noqa: F401
-    from catalog.store import open_catalog
+    import safepoint.ops.ingest  # noqa: F401
+    import safepoint.ops.prune  # noqa: F401
+    import safepoint.ops.reconcile  # noqa: F401
+    import safepoint.rules.retention  # noqa: F401
+    import safepoint.validation.validate  # noqa: F401
+    from safepoint.catalog.store import open_catalog
 
     if catalog_url:
         open_catalog(catalog_url)  # migrate once; forked children reuse the knowledge, not the connection

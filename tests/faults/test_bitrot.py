@@ -15,15 +15,15 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-from safepoint import pipeline
-from safepoint.cli import main
-from safepoint.commit import commit
-from safepoint.format import MARKER_NAME
-from safepoint.prune import prune
-from safepoint.retention import KeepLastN
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint.cli.main import main
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.local.commit import commit
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops import ingest as pipeline
+from safepoint.ops.prune import prune
+from safepoint.rules.retention import KeepLastN
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template, flip_byte
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from safepoint import pipeline
-from safepoint.commit import commit
-from safepoint.errors import CommitError
-from safepoint.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX
-from safepoint.reconcile import reconcile
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint.core.errors import CommitError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.local.commit import commit
+from safepoint.ops import ingest as pipeline
+from safepoint.ops.reconcile import reconcile
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template
 

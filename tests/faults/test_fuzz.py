@@ -20,8 +20,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from safepoint.errors import FormatError
-from safepoint.format import (
+from safepoint.core.errors import FormatError
+from safepoint.core.format import (
     FileEntry,
     build_manifest,
     digest_bytes,
@@ -31,8 +31,8 @@ from safepoint.format import (
     parse_marker,
     safe_relpath,
 )
-from safepoint.loaders.base import Limits, LoadError, Problem
-from safepoint.loaders.safetensors_file import read_header
+from safepoint.validation.loaders.base import Limits, LoadError, Problem
+from safepoint.validation.loaders.safetensors_file import read_header
 from tests.faults.conftest import figures
 
 SECONDS = float(os.environ.get("SAFEPOINT_FUZZ_SECONDS", "4"))

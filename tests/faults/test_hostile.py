@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from catalog.store import open_catalog
-from safepoint.commit import commit
-from safepoint.format import MANIFEST_NAME, MARKER_NAME, Manifest, digest_bytes, marker_for
-from safepoint.hashing import hash_path
-from safepoint.states import CheckpointState as CS
+from safepoint.catalog.store import open_catalog
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, Manifest, digest_bytes, marker_for
+from safepoint.core.hashing import hash_path
+from safepoint.core.states import CheckpointState as CS
+from safepoint.local.commit import commit
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template
 from tests.helpers_ckpt import make_malicious_pickle
@@ -202,9 +202,9 @@ def test_hostile_checkpoint(name, tmp_path, template, shared_fork_server, sqlite
 def test_manifest_without_marker_does_not_exist(tmp_path, template, sqlite_catalog):
     """docs/format.md: a folder without COMMITTED does not exist for Safepoint. It is refused with a
     clear error and never cataloged (there is nothing to call valid or corrupt yet)."""
-    from safepoint import pipeline
-    from safepoint.errors import FormatError
-    from safepoint.watch import pending_snapshots
+    from safepoint.core.errors import FormatError
+    from safepoint.events.watch import pending_snapshots
+    from safepoint.ops import ingest as pipeline
 
     folder = _committed(tmp_path, template, "manifest-only", 99)
     (folder / MARKER_NAME).unlink()
@@ -218,9 +218,9 @@ def test_manifest_without_marker_does_not_exist(tmp_path, template, sqlite_catal
 
 def test_refused_folder_is_not_retried_by_watch(tmp_path, template, sqlite_catalog):
     """Quarantined as corrupt, a refused folder stops being pending for `watch`."""
-    from safepoint import pipeline
-    from safepoint.errors import FormatError
-    from safepoint.watch import pending_snapshots
+    from safepoint.core.errors import FormatError
+    from safepoint.events.watch import pending_snapshots
+    from safepoint.ops import ingest as pipeline
 
     folder = _committed(tmp_path, template, "refused", 7)
     (folder / MANIFEST_NAME).unlink()

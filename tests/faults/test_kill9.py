@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from catalog.store import open_catalog
-from safepoint.reconcile import reconcile
-from safepoint.states import CheckpointState as CS
+from safepoint.catalog.store import open_catalog
+from safepoint.core.states import CheckpointState as CS
+from safepoint.ops.reconcile import reconcile
 from tests.faults.conftest import figures
 from tests.faults.world import World, check, copy_template
 

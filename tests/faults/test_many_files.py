@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from catalog.store import open_catalog
-from safepoint.states import CheckpointState as CS
+from safepoint.catalog.store import open_catalog
+from safepoint.core.states import CheckpointState as CS
 from tests.faults.conftest import figures
 
 MAX_RSS_GROWTH_KIB = 1024 * 1024   # 1 GiB for 100k files: ~10 KiB per file, all-inclusive

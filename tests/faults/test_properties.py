@@ -25,13 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from catalog.views import CheckpointView, ReplicaView
-from safepoint import retention
-from safepoint.completeness import Completeness, assess
-from safepoint.decisions import PENDING, is_good, resume_point
-from safepoint.reconcile import Action, Found, Known, Remote, Settle, decide, plan_checkpoint
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint.catalog.views import CheckpointView, ReplicaView
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.ops.reconcile import Action, Found, Known, Remote, Settle, decide, plan_checkpoint
+from safepoint.rules import retention
+from safepoint.rules.completeness import Completeness, assess
+from safepoint.rules.resume import PENDING, is_good, resume_point
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 BUDGET = settings(max_examples=60, stateful_step_count=40, deadline=None,

@@ -17,14 +17,14 @@ from datetime import datetime, timezone
 
 import pytest
 
-from catalog.store import open_catalog
-from safepoint import pipeline
-from safepoint.commit import commit
-from safepoint.format import MARKER_NAME
-from safepoint.prune import prune
-from safepoint.reconcile import reconcile
-from safepoint.retention import KeepLastN
-from safepoint.states import CheckpointState as CS
+from safepoint.catalog.store import open_catalog
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.states import CheckpointState as CS
+from safepoint.local.commit import commit
+from safepoint.ops import ingest as pipeline
+from safepoint.ops.prune import prune
+from safepoint.ops.reconcile import reconcile
+from safepoint.rules.retention import KeepLastN
 from tests.faults.conftest import figures
 from tests.faults.world import ForkServer, World, check, copy_template
 

@@ -14,12 +14,14 @@ import time
 
 import pytest
 
-from catalog.store import open_catalog
-from safepoint import pipeline
-from safepoint.cli import main
-from safepoint.commit import commit
-from safepoint.format import MARKER_NAME, TMP_PREFIX
-from safepoint.reconcile import (
+from safepoint.catalog.store import open_catalog
+from safepoint.cli.main import main
+from safepoint.core.format import MARKER_NAME, TMP_PREFIX
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.local.commit import commit
+from safepoint.ops import ingest as pipeline
+from safepoint.ops.reconcile import (
     Action,
     Found,
     Known,
@@ -30,8 +32,6 @@ from safepoint.reconcile import (
     plan_checkpoint,
     reconcile,
 )
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
 from tests.faults.conftest import figures
 from tests.faults.world import World, check, copy_template
 
@@ -91,9 +91,9 @@ def test_lease_name_is_the_ingest_tasks(monkeypatch, tmp_path, sqlite_catalog):
     """Reconcile and the Prefect ingest task must agree on the lease, or a live upload is not protected."""
     from contextlib import contextmanager
 
-    import tasks.ingest as ti
-    from safepoint.config import Config
-    from safepoint.snapshot import LocalSnapshot
+    import safepoint.tasks.ingest as ti
+    from safepoint.core.config import Config
+    from safepoint.local.snapshot import LocalSnapshot
     from tests.faults.world import make_template
 
     names = []
@@ -170,7 +170,7 @@ def test_catalog_that_lost_the_checkpoint_adopts_it_from_the_replica(crashed, tm
 
 def test_flow_starts_with_a_scoped_reconcile(crashed, prefect_api):
     """The ingest flow's first task reconciles its snapshot; the re-ingest then finishes cleanly."""
-    from flows.ingest import ingest
+    from safepoint.flows.ingest import ingest
 
     catalog, folder, dest, _tmp = crashed
     out = ingest(snapshot=str(folder), to=[dest], catalog_url=catalog.url)
@@ -197,7 +197,7 @@ def test_stuck_ingest_without_a_replica_is_abandoned_then_redone(tmp_path, templ
     """An ingest killed before anything reached the destination: abandoned to `committed`, re-done."""
     folder = copy_template(template, tmp_path / "nvme" / "s")
     commit(folder, "ab", 1)
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.local.snapshot import LocalSnapshot
 
     dest = (tmp_path / "durable").as_uri()
     row = pipeline.register(sqlite_catalog, LocalSnapshot.open(folder))

@@ -21,14 +21,14 @@ import time
 
 import pytest
 
-from safepoint import pipeline
-from safepoint.cli import main
-from safepoint.commit import commit
-from safepoint.config import Config
-from safepoint.format import MANIFEST_NAME, MARKER_NAME
-from safepoint.reconcile import reconcile
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint.cli.main import main
+from safepoint.core.config import Config
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.local.commit import commit
+from safepoint.ops import ingest as pipeline
+from safepoint.ops.reconcile import reconcile
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template
 
@@ -78,7 +78,7 @@ def _pending_uploads(s3_env, sub: str) -> list:
 
 def _direct_verify(s3_env, sub: str):
     from safepoint.destinations import open_destination
-    from safepoint.replicate import verify_replica
+    from safepoint.ops.replicate import verify_replica
 
     dest = open_destination(s3_env.url(sub), TUNING)
     try:
@@ -183,8 +183,8 @@ def test_s3_orphans_and_crash_before_catalog(s3_env, snap_folder, tmp_path, sqli
     """A replica committed on S3 that the catalog never recorded is adopted; a partial replica and a
     stale multipart upload are removed only once the grace period has passed."""
     from safepoint.destinations import open_destination
-    from safepoint.replicate import replicate
-    from safepoint.snapshot import LocalSnapshot
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.replicate import replicate
 
     dest = open_destination(s3_env.url("orph"), TUNING)
     try:

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from catalog.store import Catalog
-from safepoint.errors import FormatError
-from safepoint.format import MARKER_NAME, TMP_PREFIX
-from safepoint.snapshot import LocalSnapshot
-from safepoint.states import CheckpointState as CS
-from safepoint.states import ReplicaState as RS
+from safepoint.catalog.store import Catalog
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME, TMP_PREFIX
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.local.snapshot import LocalSnapshot
 
 REPO = Path(__file__).resolve().parents[2]
 

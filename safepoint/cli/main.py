@@ -1,0 +1,374 @@
+"""`safepoint` command line. Exit codes: 0 good, 1 bad checkpoint or nothing found, 2 usage or infrastructure error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from safepoint.core.errors import SafepointError, UsageError
+
+EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
+# Modules that add subcommands (see build_parser); absent ones are skipped.
+EXTENSIONS = (
+    "safepoint.cli.catalog_cmds",    # lineage, risk, retention policies
+    "safepoint.cli.validation_cmds", # show
+    "safepoint.cli.events_cmds",     # serve, watch --emit
+    "safepoint.cli.repair_cmds",     # reconcile, scrub
+)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _catalog(args):
+    from safepoint.catalog.store import open_catalog
+    from safepoint.core.config import load_config
+
+    return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
+def _parent(text: str | None) -> tuple[str, int] | None:
+    if not text:
+        return None
+    run, sep, step = text.rpartition(":")
+    if not sep or not step.isdigit():
+        raise UsageError(f"--parent must be RUN:STEP, got {text!r}")
+    return run, int(step)
+
+
+def cmd_commit(args) -> int:
+    from safepoint.local.commit import commit
+
+    m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
+               ranks=args.ranks, node=args.node)
+    out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
+    return EXIT_OK
+
+
+def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
+    from safepoint.flows.ingest import ingest
+
+    return ingest(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
+
+
+def _ingest_exit(state: str) -> int:
+    if state == "verified":
+        return EXIT_OK
+    return EXIT_BAD if state in ("corrupt", "invalid", "incomplete") else EXIT_ERROR
+
+
+def cmd_ingest(args) -> int:
+    from safepoint.core.format import MARKER_NAME
+    from safepoint.local.snapshot import LocalSnapshot
+
+    folder = Path(args.dir)
+    if not (folder / MARKER_NAME).is_file():
+        raise UsageError(f"{args.dir}: not a committed snapshot (no {MARKER_NAME}); run `safepoint commit` first")
+    try:
+        snap = LocalSnapshot.open(folder)
+    except SafepointError as e:
+        err.print(f"[red]corrupt[/red] {args.dir}: {e}")
+        return EXIT_BAD
+    _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
+    from safepoint.ops import progress
+
+    t0 = time.perf_counter()
+    # A transfer bar on a terminal (bytes uploaded, over every destination).
+    with progress.bar(f"ingest {snap.manifest.run}/{snap.manifest.step}", snap.manifest.total_bytes * len(args.to),
+                      err, enabled=err.is_terminal and not args.json):
+        result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+    dt = time.perf_counter() - t0
+    if args.json:
+        out.print_json(data=result)
+    else:
+        out.print(f"{result['run']}/{result['step']}: [bold]{result['state']}[/bold] in {dt:.2f}s")
+        for r in result["replicas"]:
+            out.print(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
+        if result["state"] != "verified" and result.get("message"):
+            out.print(f"  {result['message']}")
+    return _ingest_exit(result["state"])
+
+
+def cmd_watch(args) -> int:
+    from safepoint.events.watch import pending_snapshots
+
+    cat = _catalog(args)
+    worst = EXIT_OK
+    while True:
+        for folder in pending_snapshots(Path(args.root), cat):
+            err.print(f"ingesting {folder}")
+            result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+            out.print(f"{result['run']}/{result['step']}: {result['state']}")
+            worst = max(worst, _ingest_exit(result["state"]))
+        if args.once:
+            return worst
+        time.sleep(args.interval)
+
+
+def _views(args, run=None):
+    return _catalog(args).list_checkpoints(run)
+
+
+def cmd_ls(args) -> int:
+    views = _views(args, args.run)
+    rows = [{
+        "run": c.run, "step": c.step, "state": str(c.state), "local_path": c.local_path,
+        "bytes": c.total_bytes, "created": c.created_at.isoformat() if c.created_at else None,
+        "parent": f"{c.parent[0]}:{c.parent[1]}" if c.parent else None,
+        "pinned": c.pinned, "tags": list(c.tags),
+        "replicas": [{"url": r.url, "state": str(r.state)} for r in c.replicas],
+    } for c in views]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    table = Table("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
+    for r in rows:
+        reps = "\n".join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
+        marks = " ".join((["pinned"] if r["pinned"] else []) + r["tags"]) or "-"
+        table.add_row(r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-",
+                      r["parent"] or "-", marks)
+    out.print(table)
+    return EXIT_OK
+
+
+def cmd_resume_point(args) -> int:
+    from safepoint.cli.catalog_cmds import parse_time
+
+    cat = _catalog(args)
+    decision = cat.resume_point(args.run, min_replicas=args.min_replicas, max_step=args.max_step,
+                                before=parse_time(args.before) if args.before else None, tag=args.tag)
+    passed = [{"step": c.step, "state": str(c.state), "reason": why} for c, why in decision.passed_over]
+    if args.explain:
+        if decision.scope:
+            err.print("considered only checkpoints " + ", ".join(decision.scope))
+        for c, why in decision.passed_over:
+            err.print(f"skipped {c.run}/{c.step}: {why}")
+    c = decision.chosen
+    if c is None:
+        if args.json:
+            print(json.dumps({"run": args.run, "step": None, "url": None, "urls": [], "passed_over": passed}))
+        known = bool(passed) or cat.get_run_id(args.run) is not None
+        err.print(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
+                  if known else f"no checkpoints recorded for run {args.run!r}")
+        return EXIT_BAD
+    urls = decision.urls
+    doc = {"run": c.run, "step": c.step, "url": urls[0] if urls else None, "urls": urls,
+           "replicas": [{"url": r.url, "destination": r.destination,
+                         "verified_at": r.verified_at.isoformat() if r.verified_at else None}
+                        for r in c.verified_replicas()],
+           "local_path": c.local_path, "created": c.created_at.isoformat() if c.created_at else None,
+           "parent": f"{c.parent[0]}:{c.parent[1]}" if c.parent else None, "passed_over": passed}
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        out.print(f"{c.run} step {c.step}: {doc['url'] or c.local_path}")
+        for u in urls[1:]:
+            out.print(f"  also {u}")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from safepoint.core.config import load_config
+    from safepoint.ops import progress
+    from safepoint.ops.ingest import verify_url
+
+    with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
+        report, where = verify_url(_catalog(args), args.url, load_config())
+    good = report.outcome.value == "verified"
+    (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
+    return EXIT_OK if good else EXIT_BAD
+
+
+def cmd_validate(args) -> int:
+    from safepoint.validation.validate import validate_snapshot
+
+    path = args.url[len("file://"):] if args.url.startswith("file://") else args.url
+    if "://" in path:
+        raise UsageError("validate works on a local snapshot folder or file:// URL")
+    if not Path(path).is_dir():
+        raise UsageError(f"{path}: not a directory")
+    files, run, step = None, None, None
+    from safepoint.core.config import load_config
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.validation.settings import ValidationSettings
+
+    try:
+        manifest = LocalSnapshot.open(path).manifest
+        files, run, step = [f.path for f in manifest.files], manifest.run, manifest.step
+    except SafepointError:
+        pass
+    settings = ValidationSettings.from_config(load_config(), run, model=args.model)
+    report = validate_snapshot(path, files, settings=settings, step=step)
+    for f in report.findings:
+        err.print(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
+    for f in report.warnings:
+        err.print(f"  warning: {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
+    (out if report.ok else err).print(f"{path}: {report.outcome}: {report.summary()}")
+    return EXIT_OK if report.ok else EXIT_BAD
+
+
+def cmd_prune(args) -> int:
+    from datetime import datetime, timezone
+
+    from safepoint.cli.catalog_cmds import retention_spec
+    from safepoint.core.config import load_config
+    from safepoint.ops.prune import prune
+    from safepoint.rules.retention import policy_from_spec
+
+    if (args.run is None) == (not args.all_runs):
+        raise UsageError("give --run R (repeatable) or --all-runs")
+    cat, config, now = _catalog(args), load_config(), datetime.now(timezone.utc)
+    docs, errors = [], 0
+    for run in (cat.runs() if args.all_runs else args.run):
+        policy = policy_from_spec(retention_spec(args, config, run))
+        res = prune(cat, [run], policy, now=now, min_replicas=args.min_replicas, dry_run=args.dry_run, config=config)
+        errors += len(res.errors)
+        docs.append({"run": run, "policy": repr(policy), "dry_run": args.dry_run, "plan": res.plan.to_rows(),
+                     "pruned": [s for _r, s in res.pruned], "skipped": [s for _r, s in res.skipped],
+                     "errors": res.errors})
+        if args.json:
+            continue
+        for d in res.plan.decisions:
+            c = d.checkpoint
+            verb = "keep  " if d.keep else ("would delete" if args.dry_run else "delete")
+            out.print(f"{verb} {c.run}/{c.step} ({c.state}): {'; '.join(d.reasons)}")
+        if not args.dry_run:
+            out.print(f"{run}: pruned {len(res.pruned)} checkpoint(s)"
+                      + (f", {len(res.skipped)} kept after re-checking the catalog" if res.skipped else ""))
+        for e in res.errors:
+            err.print(f"could not delete {e} (the next prune retries)")
+    if args.json:
+        print(json.dumps(docs, indent=1))
+    return EXIT_ERROR if errors else EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    from safepoint.cli.demo import run_demo
+
+    return run_demo(Path(args.dir) if args.dir else None, console=out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="safepoint", description=__doc__)
+    p.add_argument("--catalog", help="catalog URL (default: $SAFEPOINT_CATALOG_URL or $SAFEPOINT_HOME/catalog.db)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("commit", help="seal a folder written by any tool")
+    s.add_argument("dir")
+    s.add_argument("--run", required=True)
+    s.add_argument("--step", type=int, required=True)
+    s.add_argument("--parent", help="RUN:STEP this checkpoint resumed or forked from")
+    s.add_argument("--world-size", type=int, default=1)
+    s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
+    s.add_argument("--node", help="host name for multi-node checkpoints")
+    s.set_defaults(fn=cmd_commit)
+
+    s = sub.add_parser("ingest", help="replicate, verify, validate and catalog one committed snapshot")
+    s.add_argument("dir")
+    s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
+    s.add_argument("--model", help="model factory package.module:function for a strict load check")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_ingest)
+
+    s = sub.add_parser("watch", help="ingest committed snapshots that appear under ROOT")
+    s.add_argument("root")
+    s.add_argument("--to", action="append", required=True)
+    s.add_argument("--model")
+    s.add_argument("--once", action="store_true", help="one pass, then exit")
+    s.add_argument("--interval", type=float, default=5.0)
+    s.set_defaults(fn=cmd_watch)
+
+    s = sub.add_parser("ls", help="list checkpoints")
+    s.add_argument("--run")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("resume-point", help="the checkpoint to resume from")
+    s.add_argument("--run", required=True)
+    s.add_argument("--min-replicas", type=int, default=1, help="verified durable replicas required (default 1)")
+    s.add_argument("--max-step", type=int, help="only checkpoints at or below this step")
+    s.add_argument("--before", metavar="TIME", help="only checkpoints created before TIME (ISO 8601, or 2h/3d ago)")
+    s.add_argument("--tag", help="only checkpoints with this tag")
+    s.add_argument("--explain", action="store_true", help="say why each newer checkpoint was passed over")
+    s.add_argument("--json", action="store_true", help="JSON with the URL of every verified replica")
+    s.set_defaults(fn=cmd_resume_point)
+
+    s = sub.add_parser("verify", help="re-hash a replica or local snapshot against its manifest")
+    s.add_argument("url")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("validate", help="dry-run load validation of a snapshot folder")
+    s.add_argument("url")
+    s.add_argument("--model", help="model factory package.module:function for a strict load check")
+    s.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("prune", help="apply retention (invariants: the newest verified and at least two "
+                       "verified are kept; nothing goes while a newer checkpoint is pending)")
+    s.add_argument("--run", action="append", help="run to prune (repeatable)")
+    s.add_argument("--all-runs", action="store_true")
+    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest verified")
+    s.add_argument("--keep-every", type=int, metavar="STEPS", help="keep the first verified of every STEPS steps")
+    s.add_argument("--keep-within", metavar="DURATION", help="keep everything created within e.g. 12h, 7d")
+    s.add_argument("--keep-tagged", nargs="*", metavar="TAG", help="keep tagged checkpoints (any tag, or these)")
+    s.add_argument("--keep-best", metavar="METRIC:N[:min|max]", help="keep the N best by a recorded metric")
+    s.add_argument("--min-replicas", type=int, default=1, help="verified replicas a checkpoint needs to count")
+    s.add_argument("--dry-run", action="store_true", help="print the plan, with a reason for every keep")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_prune)
+
+    s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")
+    s.add_argument("--dir", help="work folder (default: a new temporary folder)")
+    s.set_defaults(fn=cmd_demo)
+
+    # Command groups that live in their own modules: each has `register(subparsers)`.
+    import importlib
+
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    words = list(argv) if argv is not None else sys.argv[1:]
+    if "-v" not in words and "--verbose" not in words:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors already
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        err.print(f"safepoint: error: {e}")
+        return EXIT_ERROR
+    except SafepointError as e:
+        err.print(f"safepoint: {e}")
+        return EXIT_ERROR
+    except (OSError, ValueError) as e:
+        from safepoint.core.redact import redact
+
+        err.print(f"safepoint: error: {redact(str(e))}")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

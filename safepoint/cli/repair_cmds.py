@@ -1,0 +1,152 @@
+"""`safepoint reconcile` and `safepoint scrub`: repair after crashes, find and fix rot.
+
+- `reconcile` makes the catalog agree with the destinations after any crash (safepoint.reconcile):
+  adopts or confirms committed replicas by re-hashing them, marks vanished ones missing, finishes
+  or abandons stuck ingests, re-replicates bad replicas from a good copy, and removes orphans
+  (partial replicas, temporary files, stale multipart uploads) once the grace period has passed.
+- `scrub` re-reads one rotating slice of every verified replica (safepoint.scrub, the same pass
+  as the scheduled scrub flow, without Prefect); a replica whose slice shows rot is verified in
+  full and recorded, and then replicated again from a good copy where one exists.
+
+Exit codes: 0 consistent (or repaired), 1 problems remain (corrupt without a good copy, conflicts,
+unreadable markers), 2 errors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from safepoint.cli.main import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
+
+# Findings that need a person: nothing automatic can fix them.
+UNRESOLVED = frozenset({"conflict", "unreadable", "no_good_copy", "checkpoint_corrupt", "replica_corrupt",
+                        "replica_missing", "replica_failed"})
+
+
+def _print_report(report: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=1))
+        return
+    for s in report.steps:
+        verb = s.action if s.done else (f"would {s.action}" if report.dry_run and s.action not in UNRESOLVED
+                                        else s.action)
+        where = f"{s.run}/{s.step} " if s.run is not None else ""
+        out.print(f"{verb}: {where}{s.where}" + (f" ({s.detail})" if s.detail else ""))
+    for e in report.errors:
+        err.print(f"error: {e}")
+    if not report.steps and not report.errors:
+        out.print("consistent: nothing to do")
+
+
+def _exit(report: Any, repaired_ok: set[str]) -> int:
+    if report.errors:
+        return EXIT_ERROR
+    last: dict[tuple[Any, Any, str], str] = {}
+    for s in report.steps:
+        last[(s.run, s.step, s.where)] = s.action
+    return EXIT_BAD if any(a in UNRESOLVED and a not in repaired_ok for a in last.values()) else EXIT_OK
+
+
+def cmd_reconcile(args) -> int:
+    from safepoint.core.config import load_config
+    from safepoint.core.errors import UsageError
+    from safepoint.ops.reconcile import reconcile
+
+    if (args.step is not None) and not args.run:
+        raise UsageError("--step needs --run")
+    config = load_config()
+    catalog = _catalog(args)
+    scope = (args.run, args.step) if args.run and args.step is not None else None
+    report = reconcile(catalog, args.to, config, grace_s=args.grace, dry_run=args.dry_run, scope=scope,
+                       finish=not args.no_finish, repair=not args.no_repair)
+    if args.run and scope is None:
+        report.steps = [s for s in report.steps if s.run in (None, args.run)]
+    _print_report(report, args.json)
+    return _exit(report, set())
+
+
+def scrub_pass(catalog: Any, config: Any, *, subset: str = "16", run: str | None = None,
+               repair: bool = True) -> dict[str, Any]:
+    """One scrub pass without Prefect (the scrub flow's logic), then repairs. Returns a summary."""
+    from safepoint.destinations import open_destination
+    from safepoint.ops import ingest as pipeline
+    from safepoint.ops import scrub
+    from safepoint.ops.reconcile import repair as repair_checkpoints
+
+    index, of = scrub.parse_subset(subset)
+    if index is None:
+        index = scrub.next_slice(scrub.last_pass(catalog), of)
+    rows, bad_ids = [], set()
+    for target in scrub.targets(catalog, run):
+        dest = open_destination(target.destination, config.storage_options(target.destination))
+        try:
+            files, error = scrub.slice_plan(dest, target, index, of)
+            rep = scrub.verify_files(dest, target.run, target.step, files) if not error else None
+        finally:
+            dest.close()
+        outcome = "ok"
+        if error or (rep is not None and rep.problems):
+            full, _ = pipeline.verify_url(catalog, target.url, config)  # records it, settles the checkpoint
+            outcome = str(full.outcome)
+            bad_ids.add(target.checkpoint_id)
+        catalog.add_event(scrub.SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
+            "url": target.url, "index": index, "of": of, "files": len(files),
+            "bytes": rep.bytes_checked if rep else 0, "outcome": outcome, "error": error})
+        rows.append({"url": target.url, "files": len(files), "outcome": outcome})
+    summary: dict[str, Any] = {"pass": True, "index": index, "of": of, "replicas": len(rows),
+                               "problems": len(bad_ids)}
+    catalog.add_event(scrub.SCRUB_EVENT, detail=summary)
+    summary["rows"] = rows
+    if repair and bad_ids:
+        summary["repair"] = repair_checkpoints(catalog, bad_ids, config).to_dict()
+    from safepoint.core.states import ReplicaState as RS
+
+    found = {r["url"]: catalog.find_replica(r["url"]) for r in rows if r["outcome"] != "ok"}
+    summary["unrepaired"] = sorted(u for u, f in found.items() if f is None or f[1].state is not RS.VERIFIED)
+    return summary
+
+
+def cmd_scrub(args) -> int:
+    from safepoint.core.config import load_config
+
+    catalog = _catalog(args)
+    summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
+    if args.json:
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        out.print(f"scrub slice {summary['index'] + 1}/{summary['of']}: {summary['replicas']} replica(s), "
+                  f"{summary['problems']} with problems")
+        for r in summary["rows"]:
+            if r["outcome"] != "ok":
+                out.print(f"  {r['url']}: {r['outcome']}")
+        for s in (summary.get("repair") or {}).get("steps", []):
+            out.print(f"  {s['action']}: {s['run']}/{s['step']} {s['where']}" + (f" ({s['detail']})"
+                                                                                   if s["detail"] else ""))
+    for url in summary["unrepaired"]:
+        err.print(f"still bad: {url}")
+    return EXIT_BAD if summary["unrepaired"] else EXIT_OK
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("reconcile", help="repair the catalog from what the destinations hold; remove orphans "
+                              "older than the grace period")
+    s.add_argument("--to", action="append", metavar="URL",
+                   help="destination base URL (repeatable; default: every destination the catalog knows)")
+    s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a partial replica or temporary file must be untouched before it is removed, "
+                        "and an ingest stuck before it is finished or abandoned (default 3600)")
+    s.add_argument("--run", help="only this run")
+    s.add_argument("--step", type=int, help="only this step (with --run)")
+    s.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
+    s.add_argument("--no-repair", action="store_true", help="do not re-replicate bad replicas")
+    s.add_argument("--no-finish", action="store_true", help="leave stuck ingests alone")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_reconcile)
+
+    s = subparsers.add_parser("scrub", help="re-verify a rotating slice of every verified replica; repair rot")
+    s.add_argument("--subset", default="16", help="'n': rotate through n slices (default 16); 'i/n': slice i")
+    s.add_argument("--run", help="only this run")
+    s.add_argument("--no-repair", action="store_true", help="only detect and record; do not re-replicate")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_scrub)

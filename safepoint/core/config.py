@@ -1,0 +1,74 @@
+"""Configuration: environment first, then an optional TOML file, then defaults.
+
+`$SAFEPOINT_HOME` (default `~/.safepoint`) holds the SQLite catalog and `config.toml`:
+
+    [catalog]
+    url = "postgresql+psycopg://ckpt@db/safepoint"   # or SAFEPOINT_CATALOG_URL
+
+    [storage."s3://my-bucket"]                      # fsspec storage options by URL prefix
+    endpoint_url = "http://127.0.0.1:8333"
+
+    [runs.llama-7b]
+    model = "mypkg.models:build"                     # model factory for validation
+
+Secrets belong in the environment or AWS profiles, not here; they are never logged or stored.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from safepoint.core.errors import UsageError
+
+
+def home() -> Path:
+    return Path(os.environ.get("SAFEPOINT_HOME") or Path.home() / ".safepoint").expanduser()
+
+
+@dataclass(frozen=True)
+class Config:
+    catalog_url: str | None = None
+    storage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    validation: dict[str, Any] = field(default_factory=dict)
+    # Every other table of config.toml ([events], [multinode], [fanout], [limits], ...), read by
+    # the modules that own them through `section()`.
+    sections: dict[str, Any] = field(default_factory=dict)
+
+    def storage_options(self, url: str) -> dict[str, Any]:
+        """Options of the longest configured prefix of `url`."""
+        best = ""
+        for prefix in self.storage:
+            if url.startswith(prefix.rstrip("/")) and len(prefix) > len(best):
+                best = prefix
+        return dict(self.storage.get(best, {}))
+
+    def run_setting(self, run: str, key: str, default: Any = None) -> Any:
+        return self.runs.get(run, {}).get(key, default)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The `[name]` table of config.toml (empty when absent)."""
+        value = self.sections.get(name, {})
+        return dict(value) if isinstance(value, dict) else {}
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    path = Path(path or os.environ.get("SAFEPOINT_CONFIG") or home() / "config.toml")
+    doc: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            doc = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"{path}: not valid TOML ({e})") from None
+    return Config(
+        catalog_url=os.environ.get("SAFEPOINT_CATALOG_URL") or doc.get("catalog", {}).get("url"),
+        storage=doc.get("storage", {}),
+        runs=doc.get("runs", {}),
+        validation=doc.get("validation", {}),
+        sections={k: v for k, v in doc.items() if isinstance(v, dict)},
+    )

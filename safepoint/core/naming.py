@@ -1,0 +1,40 @@
+"""Naming: where a snapshot of run R at step N lives at a destination (docs/format.md)."""
+
+from __future__ import annotations
+
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, check_run, check_step
+
+
+def join(base: str, *parts: str) -> str:
+    out = base.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
+
+
+def snapshot_key(run: str, step: int) -> str:
+    return f"{check_run(run)}/{check_step(step)}"
+
+
+def snapshot_url(base: str, run: str, step: int) -> str:
+    return join(base, snapshot_key(run, step))
+
+
+def file_url(base: str, run: str, step: int, relpath: str) -> str:
+    return join(snapshot_url(base, run, step), relpath)
+
+
+def manifest_url(base: str, run: str, step: int) -> str:
+    return file_url(base, run, step, MANIFEST_NAME)
+
+
+def marker_url(base: str, run: str, step: int) -> str:
+    return file_url(base, run, step, MARKER_NAME)
+
+
+def parse_snapshot_url(url: str) -> tuple[str, str, int]:
+    """Split `<base>/<run>/<step>` into (base, run, step)."""
+    parts = url.rstrip("/").rsplit("/", 2)
+    if len(parts) != 3 or not parts[2].isdigit():
+        raise ValueError(f"{url!r} is not <base>/<run>/<step>")
+    return parts[0], check_run(parts[1]), check_step(int(parts[2]))

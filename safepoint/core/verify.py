@@ -1,0 +1,89 @@
+"""Verification of files against a manifest. Results are data: one status per file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+
+from safepoint.core.format import FileEntry, Manifest
+from safepoint.core.states import CheckpointState
+
+
+class FileStatus(str, Enum):
+    OK = "ok"
+    MISSING = "missing"
+    SIZE_MISMATCH = "size_mismatch"
+    HASH_MISMATCH = "hash_mismatch"
+    UNSAFE_PATH = "unsafe_path"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class VerifyReport:
+    files: dict[str, FileStatus] = field(default_factory=dict)
+    bytes_checked: int = 0
+    error: str | None = None  # the snapshot itself is unusable (no marker, bad manifest)
+
+    @property
+    def outcome(self) -> CheckpointState:
+        return outcome_of(self.files.values(), self.error)
+
+    @property
+    def problems(self) -> dict[str, FileStatus]:
+        return {p: s for p, s in self.files.items() if s is not FileStatus.OK}
+
+    def summary(self) -> str:
+        if self.error:
+            return self.error
+        bad = self.problems
+        if not bad:
+            return f"{len(self.files)} files verified ({self.bytes_checked} bytes)"
+        shown = ", ".join(f"{p}: {s}" for p, s in sorted(bad.items())[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        return f"{len(bad)} of {len(self.files)} files bad: {shown}{more}"
+
+
+def outcome_of(statuses, error: str | None = None) -> CheckpointState:
+    """Pure: the checkpoint state implied by per-file statuses."""
+    statuses = list(statuses)
+    if error:
+        return CheckpointState.CORRUPT
+    if any(s in (FileStatus.SIZE_MISMATCH, FileStatus.HASH_MISMATCH, FileStatus.UNSAFE_PATH) for s in statuses):
+        return CheckpointState.CORRUPT
+    if any(s is FileStatus.MISSING for s in statuses):
+        return CheckpointState.INCOMPLETE
+    return CheckpointState.VERIFIED
+
+
+def check_file(entry: FileEntry, size: int | None, digest: Callable[[], str]) -> FileStatus:
+    """Pure decision for one file; `digest` is only called when the size already matches."""
+    if size is None:
+        return FileStatus.MISSING
+    if size != entry.size:
+        return FileStatus.SIZE_MISMATCH
+    return FileStatus.OK if digest() == entry.blake3 else FileStatus.HASH_MISMATCH
+
+
+def verify_manifest(
+    manifest: Manifest,
+    size_of: Callable[[str], int | None],
+    digest_of: Callable[[str], str],
+    *,
+    workers: int = 4,
+) -> VerifyReport:
+    """Check every file of `manifest` with the given stat and hash functions (local or remote)."""
+    report = VerifyReport()
+
+    def one(entry: FileEntry) -> FileStatus:
+        return check_file(entry, size_of(entry.path), lambda: digest_of(entry.path))
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for entry, status in zip(manifest.files, pool.map(one, manifest.files)):
+            report.files[entry.path] = status
+            if status is FileStatus.OK:
+                report.bytes_checked += entry.size
+    return report

@@ -1,0 +1,400 @@
+"""Commit markers as Prefect events, emitted once, confirmed, and never lost.
+
+Prefect has no file sensor, and an event sent while the server is unreachable is gone. So a
+watcher (safepoint.watch) does not trust an emission: it keeps every marker it has seen in a small
+on-disk spool until the *catalog* shows that an ingest of exactly that commit finished (an
+`ingest.done` event, written by the flow), and drives each spooled marker through this loop:
+
+1. emit `safepoint.checkpoint.committed` with a deterministic id (uuid5 of run, step, node and the
+   manifest digest). Prefect collapses events with the same id, so re-emitting a marker whose
+   first event did arrive creates no second run;
+2. while a flow run for it exists (found by its `event_id` parameter) and is not finished, wait;
+3. if no run showed up within `confirm_after_s`, or its run failed without finishing the ingest,
+   fall back to `run_deployment(..., idempotency_key=...)`, which also collapses duplicates;
+4. while the server is down, nothing is dropped: the marker stays spooled and is retried with
+   backoff. Entries survive a restart of the watcher.
+
+The flow parameters are templated from the event payload (prefect.yaml, `safepoint serve`); they
+arrive as native types, so the payload carries exactly the flow's types: `to` a list of str,
+`event_id` a str. A mismatch would create no run at all, and only a server warning would say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from safepoint.catalog.store import Catalog
+from safepoint.core.format import TMP_PREFIX, digest_bytes
+from safepoint.local.snapshot import LocalSnapshot
+
+log = logging.getLogger("safepoint.events.markers")
+
+EVENT = "safepoint.checkpoint.committed"
+RESOURCE_PREFIX = "safepoint.checkpoint."
+NODE_LABEL = "safepoint.node"
+FLOW_NAME = "safepoint-ingest"
+DEFAULT_DEPLOYMENT = f"{FLOW_NAME}/ingest"
+# A fixed namespace: the same marker gives the same event id on every host and every restart.
+NAMESPACE = uuid.UUID("5f1c2d4e-8b7a-5c3e-9d1f-0a2b3c4d5e6f")
+
+
+def event_id(run: str, step: int, node: str, manifest_blake3: str) -> str:
+    """Deterministic id of the commit event of one marker (one node's part, or a whole snapshot)."""
+    return str(uuid.uuid5(NAMESPACE, f"{EVENT}/{run}/{step}/{node}/{manifest_blake3}"))
+
+
+def resource(run: str, step: int, node: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"{RESOURCE_PREFIX}{run}.{step}", "prefect.resource.name": f"{run}/{step}",
+            NODE_LABEL: node, "safepoint.run": run}
+
+
+def trigger_parameters() -> dict[str, Any]:
+    """The ingest flow's parameters, templated from the event payload (native types)."""
+    return {"snapshot": "{{ event.payload.snapshot }}", "to": "{{ event.payload.to }}",
+            "event_id": "{{ event.payload.event_id }}", "skip_if_verified": True}
+
+
+def trigger_match(node: str | None = None) -> dict[str, str]:
+    match = {"prefect.resource.id": f"{RESOURCE_PREFIX}*"}
+    if node:
+        match[NODE_LABEL] = node
+    return match
+
+
+class Status(str, Enum):
+    PENDING = "pending"          # seen, not yet emitted (or the emission failed)
+    EMITTED = "emitted"          # event sent; waiting for a run
+    DISPATCHED = "dispatched"    # a flow run exists (from the trigger or from run_deployment)
+    DONE = "done"                # the catalog holds an `ingest.done` for this commit
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Marker:
+    """One commit marker a watcher has seen, as stored in the spool (JSON)."""
+
+    event_id: str
+    snapshot: str
+    run: str
+    step: int
+    node: str
+    manifest_blake3: str
+    to: list[str]
+    seen_at: float
+    status: Status = Status.PENDING
+    emitted_at: float | None = None
+    dispatches: int = 0              # run_deployment fallbacks so far
+    attempts: int = 0                # emission attempts (including failed ones)
+    next_try_at: float = 0.0         # backoff while the server is unreachable
+    flow_run_id: str | None = None
+    last_error: str | None = None
+    history: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, snap: LocalSnapshot, to: list[str], node: str, now: float | None = None) -> Marker:
+        m = snap.manifest
+        node = m.node or node
+        digest = digest_bytes(snap.manifest_bytes)
+        return cls(event_id(m.run, m.step, node, digest), str(snap.root), m.run, m.step, node, digest,
+                   list(to), now if now is not None else time.time())
+
+    def payload(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot, "to": list(self.to), "event_id": self.event_id, "run": self.run,
+                "step": self.step, "node": self.node, "manifest_blake3": self.manifest_blake3}
+
+    def parameters(self) -> dict[str, Any]:
+        """The same parameters the trigger renders, for the run_deployment fallback."""
+        return {"snapshot": self.snapshot, "to": list(self.to), "event_id": self.event_id,
+                "skip_if_verified": True}
+
+    def note(self, text: str) -> None:
+        self.history = [*self.history[-19:], f"{time.strftime('%H:%M:%S')} {text}"]
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return json.dumps(d, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Marker:
+        d = json.loads(data)
+        d["status"] = Status(d["status"])
+        return cls(**d)
+
+
+class Spool:
+    """Markers not yet confirmed, one JSON file each (written atomically), so none is lost on a crash."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, eid: str) -> Path:
+        return self.folder / f"{eid}.json"
+
+    def put(self, marker: Marker) -> None:
+        tmp = self.folder / f"{TMP_PREFIX}{marker.event_id}.json"
+        with open(tmp, "wb") as f:
+            f.write(marker.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path(marker.event_id))
+
+    def has(self, eid: str) -> bool:
+        return self._path(eid).exists()
+
+    def remove(self, eid: str) -> None:
+        self._path(eid).unlink(missing_ok=True)
+
+    def all(self) -> list[Marker]:
+        out = []
+        for p in sorted(self.folder.glob("*.json")):
+            if p.name.startswith(TMP_PREFIX):
+                continue
+            try:
+                out.append(Marker.from_json(p.read_bytes()))
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("unreadable spool entry %s (%s); keeping it aside", p.name, e)
+                p.rename(p.with_suffix(".bad"))
+        return out
+
+
+# -- the catalog side of confirmation -------------------------------------------------------------
+
+def ingest_finished(catalog: Catalog, marker: Marker) -> dict[str, Any] | None:
+    """The `ingest.done` event of this exact commit (by event id, or by snapshot and manifest)."""
+    row = catalog.get(marker.run, marker.step)
+    if row is None:
+        return None
+    for e in reversed(catalog.events(row.id, kind="ingest.done")):
+        d = e["detail"]
+        if d.get("event_id") == marker.event_id or (
+                d.get("snapshot") == marker.snapshot and d.get("manifest_blake3") == marker.manifest_blake3):
+            return d
+    return None
+
+
+# -- the Prefect side -----------------------------------------------------------------------------
+
+class PrefectGateway:
+    """The few Prefect calls a watcher makes, each bounded in time and raising on failure."""
+
+    def __init__(self, deployment: str = DEFAULT_DEPLOYMENT, timeout_s: float = 10.0):
+        self.deployment = deployment
+        self.timeout_s = timeout_s
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run(asyncio.wait_for(coro, self.timeout_s))
+
+    def warm(self) -> None:
+        """Import the client modules up front, so the first marker is not delayed by imports."""
+        import prefect.client.orchestration  # noqa: F401
+        import prefect.deployments  # noqa: F401
+        import prefect.events.clients  # noqa: F401
+
+    def healthy(self) -> bool:
+        from prefect.client.orchestration import get_client
+
+        async def check() -> bool:
+            async with get_client() as c:
+                return await c.api_healthcheck() is None
+
+        try:
+            return bool(self._run(check()))
+        except Exception:  # noqa: BLE001 - any failure means "not reachable now"
+            return False
+
+    def emit(self, marker: Marker) -> None:
+        """Send the event over a fresh connection; raises when the server does not take it."""
+        from prefect.events import Event
+        from prefect.events.clients import get_events_client
+
+        event = Event(event=EVENT, resource=resource(marker.run, marker.step, marker.node),
+                      payload=marker.payload(), id=uuid.UUID(marker.event_id))
+
+        async def send() -> None:
+            async with get_events_client(reconnection_attempts=1) as c:
+                await c.emit(event)
+
+        self._run(send())
+
+    def runs_for(self, event_ids: set[str], since: float) -> dict[str, list[tuple[str, str]]]:
+        """event_id -> [(flow run id, state type)] of ingest runs created since `since` (epoch)."""
+        from datetime import datetime, timezone
+
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter
+        from prefect.client.schemas.filters import FlowRunFilterExpectedStartTime as Start
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        after = datetime.fromtimestamp(since - 120, tz=timezone.utc)
+
+        async def read() -> list[Any]:
+            async with get_client() as c:
+                return await c.read_flow_runs(
+                    flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
+                    flow_run_filter=FlowRunFilter(expected_start_time=Start(after_=after)),
+                    sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200)
+
+        out: dict[str, list[tuple[str, str]]] = {}
+        for r in self._run(read()):
+            eid = (r.parameters or {}).get("event_id")
+            if eid in event_ids:
+                state = r.state_type.value if r.state_type else "UNKNOWN"
+                out.setdefault(eid, []).append((str(r.id), state))
+        return out
+
+    def dispatch(self, marker: Marker, key: str) -> str:
+        """run_deployment with an idempotency key: the same key never makes two runs."""
+        from prefect.deployments import run_deployment
+
+        async def go() -> str:
+            run = await run_deployment(self.deployment, parameters=marker.parameters(), idempotency_key=key,
+                                       timeout=0)
+            return str(run.id)
+
+        return self._run(go())
+
+
+FINISHED_BAD = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING"})
+
+
+@dataclass
+class Policy:
+    confirm_after_s: float = 30.0    # no run this long after emitting: fall back to run_deployment
+    retry_min_s: float = 1.0         # backoff while the server is down
+    retry_max_s: float = 30.0
+    max_dispatches: int = 5          # failed runs re-dispatched at most this often (then keep, report)
+
+
+class Dispatcher:
+    """Drives spooled markers to DONE. `tick()` never blocks for long and never drops a marker."""
+
+    def __init__(self, catalog: Catalog, spool: Spool, gateway: PrefectGateway, policy: Policy | None = None):
+        self.catalog, self.spool, self.gateway = catalog, spool, gateway
+        self.policy = policy or Policy()
+
+    def add(self, marker: Marker) -> bool:
+        """Spool a newly seen marker (False if it is already spooled)."""
+        if self.spool.has(marker.event_id):
+            return False
+        marker.note("seen")
+        self.spool.put(marker)
+        return True
+
+    def tick(self, now: float | None = None) -> list[Marker]:
+        """One pass over the spool; returns the markers confirmed (and removed) in this pass."""
+        now = now if now is not None else time.time()
+        pending = self.spool.all()
+        done: list[Marker] = []
+        waiting: list[Marker] = []
+        for m in pending:
+            finished = ingest_finished(self.catalog, m)
+            if finished is not None:
+                m.status = Status.DONE
+                m.note(f"ingest finished: {finished.get('state')}")
+                self.spool.remove(m.event_id)
+                done.append(m)
+            else:
+                waiting.append(m)
+        if not waiting:
+            return done
+        due = [m for m in waiting if m.next_try_at <= now]
+        if not due:
+            return done
+        if not self.gateway.healthy():
+            for m in due:
+                self._backoff(m, now, "Prefect server unreachable")
+            return done
+        # Fresh markers are emitted at once: if an earlier event for one did arrive, the server
+        # collapses the duplicate (same id), and the flow skips a commit already verified.
+        for m in [m for m in due if m.status is Status.PENDING]:
+            self._emit(m, now)
+        due = [m for m in due if m.status is not Status.PENDING and m.next_try_at <= now]
+        if not due:
+            return done
+        try:
+            runs = self.gateway.runs_for({m.event_id for m in due}, min(m.seen_at for m in due))
+        except Exception as e:  # noqa: BLE001 - the server went away mid-pass
+            for m in due:
+                self._backoff(m, now, f"listing flow runs failed: {e.__class__.__name__}: {e}"[:300])
+            return done
+        for m in due:
+            self._advance(m, runs.get(m.event_id, []), now)
+        return done
+
+    def _backoff(self, m: Marker, now: float, why: str) -> None:
+        m.attempts += 1
+        delay = min(self.policy.retry_max_s, self.policy.retry_min_s * 2 ** min(m.attempts, 10))
+        m.next_try_at = now + delay
+        if m.last_error != why:
+            m.note(why)
+        m.last_error = why
+        if m.status is Status.EMITTED and m.emitted_at is not None and now - m.emitted_at > self.policy.confirm_after_s:
+            m.status = Status.PENDING  # whatever was sent before the outage may be lost: send again
+        self.spool.put(m)
+
+    def _advance(self, m: Marker, runs: list[tuple[str, str]], now: float) -> None:
+        active = [r for r in runs if r[1] not in FINISHED_BAD and r[1] != "COMPLETED"]
+        if active:
+            if m.status is not Status.DISPATCHED or m.flow_run_id != active[0][0]:
+                m.status, m.flow_run_id = Status.DISPATCHED, active[0][0]
+                m.note(f"flow run {active[0][0]} {active[0][1].lower()}")
+                self.spool.put(m)
+            return
+        if runs:
+            if ingest_finished(self.catalog, m) is not None:
+                m.next_try_at = now  # it finished while we looked: confirmed on the next pass
+                return
+            # Every run for this marker ended without recording the ingest: run it again.
+            self._dispatch(m, now, f"previous run {runs[0][0]} ended {runs[0][1].lower()}")
+            return
+        if m.status is Status.PENDING:
+            self._emit(m, now)
+            return
+        since = now - (m.emitted_at or m.seen_at)
+        if since >= self.policy.confirm_after_s:
+            self._dispatch(m, now, f"no flow run {since:.0f}s after the event")
+        else:
+            m.next_try_at = now + 1.0
+
+    def _emit(self, m: Marker, now: float) -> None:
+        try:
+            self.gateway.emit(m)
+        except Exception as e:  # noqa: BLE001 - not taken: keep it and retry later
+            self._backoff(m, now, f"emit failed: {e.__class__.__name__}")
+            return
+        m.status, m.emitted_at, m.last_error = Status.EMITTED, now, None
+        m.attempts += 1
+        m.next_try_at = now + 1.0
+        m.note(f"event {m.event_id} emitted")
+        self.spool.put(m)
+
+    def _dispatch(self, m: Marker, now: float, why: str) -> None:
+        if m.dispatches >= self.policy.max_dispatches:
+            self._backoff(m, now, f"{why}; gave up re-dispatching after {m.dispatches} runs (kept in spool)")
+            m.next_try_at = now + self.policy.retry_max_s
+            self.spool.put(m)
+            return
+        key = m.event_id if m.dispatches == 0 else f"{m.event_id}#{m.dispatches}"
+        try:
+            run_id = self.gateway.dispatch(m, key)
+        except Exception as e:  # noqa: BLE001
+            self._backoff(m, now, f"run_deployment failed: {e.__class__.__name__}: {e}"[:300])
+            return
+        m.dispatches += 1
+        m.status, m.flow_run_id, m.last_error = Status.DISPATCHED, run_id, None
+        m.next_try_at = now + 1.0
+        m.note(f"{why}: run_deployment -> {run_id}")
+        self.spool.put(m)

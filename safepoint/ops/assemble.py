@@ -1,0 +1,266 @@
+"""Multi-node checkpoints in the catalog: replicate one part, assemble the set, time out lost ranks.
+
+The rules (docs/format.md, "Multi-node checkpoints"):
+
+- each node's ingest registers its part (catalog.record_commit merges files and ranks), replicates
+  it under the part's own control folder (safepoint.parts), and then tries to assemble;
+- assembling succeeds only when the catalog holds every expected rank *and* every part has
+  committed at the destination; the ingest that succeeds moves the checkpoint to `replicated` and
+  validates it. No ingest ever waits for another node: the last part to arrive finishes the set;
+- a periodic check (`apply_timeouts`, run by the completeness flow and by watchers) marks a set
+  that stayed partial past its timeout `incomplete`, so resume points never wait on a dead rank;
+- a part that arrives after that re-opens the set (`incomplete` -> `replicating`) and, if it
+  completes it, the checkpoint is assembled and validated like any other.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from safepoint.catalog.store import Catalog
+from safepoint.catalog.views import CheckpointRow
+from safepoint.core.config import Config, home
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.core.verify import FileStatus
+from safepoint.destinations import open_destination
+from safepoint.destinations.parts import Assembly, PartDestination, check_part, part_key
+from safepoint.destinations.parts import assemble as assemble_parts
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.replicate import Progress, ReplicaResult, replicate
+from safepoint.rules.completeness import Assessment, Completeness, assess
+
+DEFAULT_TIMEOUT_S = 1800.0
+IN_FLIGHT = (CS.COMMITTED, CS.REPLICATING)
+
+
+def timeout_of(config: Config | None) -> timedelta:
+    """`[multinode] timeout_s` in config.toml, or $SAFEPOINT_MULTINODE_TIMEOUT_S (wins)."""
+    raw = os.environ.get("SAFEPOINT_MULTINODE_TIMEOUT_S")
+    if raw is None and config is not None:
+        raw = config.section("multinode").get("timeout_s")
+    return timedelta(seconds=float(raw) if raw is not None else DEFAULT_TIMEOUT_S)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def delivered(catalog: Catalog, checkpoint_id: int) -> dict[int, datetime]:
+    return {r["rank"]: r["delivered_at"] for r in catalog.ranks(checkpoint_id)}
+
+
+def part_digests(catalog: Catalog, checkpoint_id: int) -> dict[str, str | None]:
+    """Part key -> manifest BLAKE3 of every part the catalog holds (grouped by manifest)."""
+    groups: dict[str | None, list[int]] = {}
+    for r in catalog.ranks(checkpoint_id):
+        groups.setdefault(r["manifest_blake3"], []).append(r["rank"])
+    return {part_key(ranks): digest for digest, ranks in groups.items()}
+
+
+def assessment(catalog: Catalog, row: CheckpointRow, config: Config | None, now: datetime | None = None
+               ) -> Assessment:
+    return assess(row.world_size, delivered(catalog, row.id), now or _now(), timeout_of(config))
+
+
+def replicate_part_to(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
+                      config: Config | None = None, *, progress: Progress | None = None,
+                      attempts: int = 2) -> ReplicaResult:
+    """Replicate this node's part into the shared snapshot folder and commit it as a part there."""
+    config = config or Config()
+    m = snap.manifest
+    check_part(m)
+    key = part_key(m.held_ranks)
+    dest = open_destination(url, config.storage_options(url))
+    try:
+        snap_url = dest.snapshot_url(m.run, m.step)
+        known = {r.url: r.state for r in catalog.replicas(checkpoint_id)}
+        if known.get(snap_url) is not RS.VERIFIED:
+            catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
+        view = PartDestination(dest, key)
+        for _ in range(max(1, attempts)):
+            result = replicate(snap, view, progress=progress)
+            if result.state is not RS.CORRUPT:
+                break
+            dest.delete_files(m.run, m.step, [p for p, s in result.remote.items() if s is not FileStatus.OK])
+        catalog.add_event("part.replica", checkpoint_id=checkpoint_id, detail={
+            "part": key, "node": m.node, "ranks": list(m.held_ranks), "url": result.url,
+            "state": str(result.state), "error": result.error, "bytes_uploaded": result.bytes_uploaded,
+            "bytes_reused": result.bytes_reused,
+        })
+        if result.state is not RS.VERIFIED:
+            catalog.set_replica(checkpoint_id, snap_url, dest.url,
+                                RS.CORRUPT if result.state is RS.CORRUPT else RS.FAILED,
+                                error=f"part {key} ({m.node or 'no node'}): {result.error}")
+        return result
+    finally:
+        dest.close()
+
+
+@dataclass(frozen=True)
+class Settled:
+    state: CS
+    won: bool = False            # this caller moved the checkpoint to `replicated`: it validates next
+    message: str = ""
+
+
+def try_assemble(catalog: Catalog, checkpoint_id: int, urls: list[str], config: Config | None = None,
+                 *, now: datetime | None = None) -> Settled:
+    """Assemble the checkpoint at each destination if the set is complete; never waits."""
+    config = config or Config()
+    row = catalog.get_by_id(checkpoint_id)
+    a = assessment(catalog, row, config, now)
+    if not a.complete:
+        return Settled(row.state, message=a.summary())
+    parts = part_digests(catalog, checkpoint_id)
+    assembled, notes = False, []
+    for url in dict.fromkeys(urls):
+        dest = open_destination(url, config.storage_options(url))
+        try:
+            res = assemble_parts(dest, row.run, row.step, parts)
+            if res.state is Assembly.COMMITTED:
+                catalog.set_replica(checkpoint_id, res.url, dest.url, RS.VERIFIED, bytes=row.total_bytes)
+                assembled = True
+            elif res.state is Assembly.CONFLICT:
+                catalog.set_replica(checkpoint_id, res.url, dest.url, RS.FAILED, error=res.error)
+                notes.append(res.error or "conflict")
+            else:
+                notes.append(f"{res.url}: waiting for part(s) {', '.join(res.waiting_for) or '?'}")
+        finally:
+            dest.close()
+    if not assembled:
+        return Settled(catalog.get_by_id(checkpoint_id).state, message="; ".join(notes))
+    # A set completed late (after the timeout, or after a failed part was re-sent) re-opens first.
+    catalog.transition(checkpoint_id, CS.REPLICATING, expect={CS.COMMITTED, CS.INCOMPLETE},
+                       detail={"reason": "the set of parts completed"})
+    won = catalog.transition(checkpoint_id, CS.REPLICATED, expect={CS.REPLICATING},
+                             detail={"parts": sorted(parts, key=int)})
+    return Settled(catalog.get_by_id(checkpoint_id).state, won=won, message="all parts assembled")
+
+
+def settle_part(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, results: list[ReplicaResult],
+                urls: list[str], config: Config | None = None) -> Settled:
+    """After this node replicated its part: a bad local part spoils the checkpoint; else try to assemble."""
+    local = [r.local_outcome for r in results if r.local]
+    key = part_key(snap.manifest.held_ranks)
+    for bad in (CS.CORRUPT, CS.INCOMPLETE):
+        if bad in local:
+            error = next(r.error for r in results if r.local_outcome is bad)
+            catalog.transition(checkpoint_id, bad, expect={CS.REPLICATING}, error=f"part {key}: {error}")
+            return Settled(catalog.get_by_id(checkpoint_id).state, message=error or str(bad))
+    ok = [r.destination for r in results if r.state is RS.VERIFIED]
+    if not ok:
+        # Nothing to assemble from this part; the set stays partial and the timeout decides.
+        errors = "; ".join(r.error or str(r.state) for r in results) or "no destination"
+        return Settled(catalog.get_by_id(checkpoint_id).state, message=f"part {key} not replicated: {errors}")
+    return try_assemble(catalog, checkpoint_id, urls, config)
+
+
+@dataclass(frozen=True)
+class TimeoutAction:
+    checkpoint_id: int
+    run: str
+    step: int
+    state: CS                 # the state after the check
+    assessment: Assessment
+    validate: bool = False    # the check assembled the set: the caller validates it next
+
+
+def apply_timeouts(catalog: Catalog, config: Config | None = None, *, now: datetime | None = None,
+                   run: str | None = None, assemble: bool = True) -> list[TimeoutAction]:
+    """The periodic check: assemble complete sets nobody finished, give up on sets past their timeout.
+
+    A set with ranks missing past `timeout` (from its first delivery) becomes `incomplete`. A set
+    whose ranks are all registered but that no destination could assemble within `timeout` of its
+    *last* delivery (a part never finished replicating) becomes `incomplete` as well. With
+    `assemble=False` (watchers: cheap, no I/O at destinations) only missing ranks are timed out.
+    """
+    config = config or Config()
+    now = now or _now()
+    timeout = timeout_of(config)
+    actions: list[TimeoutAction] = []
+    for view in catalog.list_checkpoints(run, states=IN_FLIGHT):
+        if view.world_size <= 1:
+            continue
+        row = catalog.get_by_id(view.id)
+        got = delivered(catalog, row.id)
+        a = assess(row.world_size, got, now, timeout)
+        if a.status is Completeness.INCOMPLETE:
+            if catalog.transition(row.id, CS.INCOMPLETE, expect=set(IN_FLIGHT), error=a.summary(),
+                                  detail={"missing_ranks": list(a.missing), "timeout_s": timeout.total_seconds()}):
+                actions.append(TimeoutAction(row.id, row.run, row.step, CS.INCOMPLETE, a))
+            continue
+        if not a.complete or not assemble:
+            continue
+        urls = [r.destination for r in catalog.replicas(row.id)]
+        settled = try_assemble(catalog, row.id, urls, config, now=now) if urls else Settled(row.state)
+        if settled.won:
+            actions.append(TimeoutAction(row.id, row.run, row.step, settled.state, a, validate=True))
+        elif settled.state in IN_FLIGHT and got and now >= max(got.values()) + timeout:
+            msg = f"all {row.world_size} ranks registered but not assembled within the timeout: {settled.message}"
+            if catalog.transition(row.id, CS.INCOMPLETE, expect=set(IN_FLIGHT), error=msg):
+                actions.append(TimeoutAction(row.id, row.run, row.step, CS.INCOMPLETE, a))
+    return actions
+
+
+@contextmanager
+def assembled_snapshot(catalog: Catalog, checkpoint_id: int, config: Config | None = None
+                       ) -> Iterator[LocalSnapshot]:
+    """The assembled checkpoint as a local folder, to validate it (no node holds every shard).
+
+    A file:// replica is opened in place; any other replica is downloaded to a temporary folder
+    under $SAFEPOINT_HOME/tmp (removed afterwards) and opened there, marker checked as usual.
+    """
+    config = config or Config()
+    row = catalog.get_by_id(checkpoint_id)
+    reps = [r for r in catalog.replicas(checkpoint_id) if r.state is RS.VERIFIED]
+    if not reps:
+        raise FileNotFoundError(f"{row.run}/{row.step}: no assembled replica to validate from")
+    local = [r for r in reps if r.url.startswith("file://")]
+    if local:
+        yield LocalSnapshot.open(local[0].url[len("file://"):])
+        return
+    rep = reps[0]
+    dest = open_destination(rep.destination, config.storage_options(rep.destination))
+    tmp_root = home() / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"assembled-{row.run}-{row.step}-", dir=tmp_root))
+    try:
+        fs = dest.fs  # type: ignore[attr-defined]
+        base = dest._path(row.run, row.step, "")  # type: ignore[attr-defined]
+        for name in (MANIFEST_NAME, MARKER_NAME):
+            (folder / name).write_bytes(dest.read_control(row.run, row.step, name) or b"")
+        for f in LocalSnapshot.open(folder).manifest.files:
+            target = folder.joinpath(*f.path.split("/"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(base.rstrip("/") + "/" + f.path, str(target))
+        yield LocalSnapshot.open(folder)
+    finally:
+        dest.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def ingest_part(folder: str | Path, destinations: list[str], catalog: Catalog, config: Config | None = None,
+                *, model: str | None = None) -> CS:
+    """One node's part through the whole pipeline without Prefect (the flow runs the same steps)."""
+    from safepoint.ops.ingest import register, validate_checkpoint
+
+    config = config or Config()
+    snap = LocalSnapshot.open(folder)
+    check_part(snap.manifest)
+    row = register(catalog, snap)
+    results = [replicate_part_to(catalog, row.id, snap, url, config) for url in destinations]
+    settled = settle_part(catalog, row.id, snap, results, destinations, config)
+    if settled.won:
+        with assembled_snapshot(catalog, row.id, config) as merged:
+            return validate_checkpoint(catalog, row.id, merged,
+                                       model=model or config.run_setting(snap.manifest.run, "model"))
+    return settled.state

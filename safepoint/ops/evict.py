@@ -1,0 +1,222 @@
+"""Burst-buffer eviction: node-local copies go only after a durable replica is verified.
+
+Training writes checkpoints to fast node-local storage (NVMe); Safepoint replicates them to
+durable storage. The local copy is what a restart on the same node reads fastest, so it stays
+until space is needed: when the local root passes a fill level (high water), the oldest local
+copies whose checkpoint has a verified durable replica are deleted, oldest first, until the fill
+is back under the low-water mark. A copy the pipeline may still read (pending states), one with
+no verified replica, or the newest one of each run (fast restart) is never evicted.
+
+`plan_eviction` is pure. `evict` measures, plans and deletes: for each copy it first asks the
+catalog to confirm the plan still holds (claim_local_eviction: same version, still evictable,
+replica still verified), then deletes the marker first (the folder stops being a committed
+snapshot for every reader), then the data files, then the manifest, then records the removal.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safepoint.catalog.views import LocalCopy
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, parse_manifest, safe_relpath
+from safepoint.core.states import CheckpointState as CS
+
+# Checkpoints whose local bytes nothing in the pipeline needs any more.
+EVICTABLE = frozenset({CS.VERIFIED, CS.INVALID})
+
+
+@dataclass(frozen=True)
+class Usage:
+    used: int
+    total: int
+
+    @property
+    def fill(self) -> float:
+        return self.used / self.total if self.total > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class EvictionDecision:
+    copy: LocalCopy
+    evict: bool
+    reason: str
+    size: int
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    usage: Usage
+    high_water: float
+    low_water: float
+    decisions: tuple[EvictionDecision, ...] = ()
+
+    @property
+    def evict(self) -> tuple[EvictionDecision, ...]:
+        return tuple(d for d in self.decisions if d.evict)
+
+    @property
+    def projected_fill(self) -> float:
+        freed = sum(d.size for d in self.evict)
+        return Usage(max(0, self.usage.used - freed), self.usage.total).fill
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def plan_eviction(copies: Sequence[LocalCopy], sizes: Mapping[str, int], usage: Usage, *,
+                  high_water: float = 0.85, low_water: float | None = None, min_replicas: int = 1,
+                  keep_newest: int = 1) -> EvictionPlan:
+    """Which local copies to delete, oldest first, with a reason for every copy.
+
+    `sizes` maps a copy's path to its bytes on disk; `usage` is the root's fill. Nothing is
+    evicted at or below `high_water`; above it, eligible copies go oldest first until the fill
+    would reach `low_water` (default high_water - 0.10).
+    """
+    if not 0 < high_water <= 1:
+        raise ValueError("high_water must be in (0, 1]")
+    low = max(0.0, high_water - 0.10) if low_water is None else low_water
+    if not 0 <= low <= high_water:
+        raise ValueError("low_water must be in [0, high_water]")
+
+    why_not: dict[int, str] = {}
+    eligible: list[int] = []
+    for i, c in enumerate(copies):
+        if c.state not in EVICTABLE:
+            why_not[i] = f"state {c.state}: only verified or invalid checkpoints lose their local copy"
+        elif c.verified_replicas < max(1, min_replicas):
+            why_not[i] = (f"{c.verified_replicas} verified durable replica(s), {max(1, min_replicas)} required "
+                          "before the local copy may go")
+        else:
+            eligible.append(i)
+    # The newest eligible copies of each run stay for fast restarts.
+    by_run: dict[str, list[int]] = {}
+    for i in eligible:
+        by_run.setdefault(copies[i].run, []).append(i)
+    for run, idx in by_run.items():
+        for i in sorted(idx, key=lambda i: copies[i].step, reverse=True)[: max(0, keep_newest)]:
+            why_not[i] = f"newest local copy of run {run}: kept for fast restarts"
+
+    over = usage.fill > high_water
+    need = usage.used - int(low * usage.total)
+    freed = 0
+    decisions: list[EvictionDecision] = []
+    order = sorted(range(len(copies)), key=lambda i: (copies[i].created_at, copies[i].step, copies[i].path))
+    for i in order:
+        c, size = copies[i], int(sizes.get(copies[i].path, 0))
+        if i in why_not:
+            decisions.append(EvictionDecision(c, False, why_not[i], size))
+        elif not over:
+            decisions.append(EvictionDecision(
+                c, False, f"fill {_pct(usage.fill)} is not above the {_pct(high_water)} high-water mark", size))
+        elif freed >= need:
+            decisions.append(EvictionDecision(c, False, f"enough freed: fill reaches the {_pct(low)} target", size))
+        else:
+            freed += size
+            decisions.append(EvictionDecision(
+                c, True, f"oldest replicated copy: fill {_pct(usage.fill)} > {_pct(high_water)}, "
+                f"target {_pct(low)}", size))
+    return EvictionPlan(usage, high_water, low, tuple(decisions))
+
+
+# -- I/O ----------------------------------------------------------------------------------------
+
+def folder_bytes(path: str | os.PathLike[str]) -> int:
+    """Apparent size of every regular file under `path` (0 when absent)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except FileNotFoundError:
+                continue
+            total += st.st_size
+    return total
+
+
+def measure(root: str | os.PathLike[str], capacity_bytes: int | None = None) -> Usage:
+    """The root's fill: its filesystem's, or the bytes under root against a `capacity_bytes` quota."""
+    if capacity_bytes is not None:
+        return Usage(folder_bytes(root), int(capacity_bytes))
+    du = shutil.disk_usage(root)
+    return Usage(du.total - du.free, du.total)
+
+
+def remove_local_snapshot(folder: str | os.PathLike[str], run: str, step: int,
+                          files: Iterable[str] = ()) -> bool:
+    """Delete a local snapshot folder that provably holds (run, step): marker, data, manifest.
+
+    Proof is its MANIFEST.json naming run and step: a folder reused for a newer checkpoint, or
+    being written by training (no manifest yet), is left alone. Only files the manifest or the
+    catalog lists are deleted, then empty folders; anything else stays. False if nothing was done.
+    """
+    root = Path(folder)
+    manifest_path = root / MANIFEST_NAME
+    try:
+        m = parse_manifest(manifest_path.read_bytes())
+    except (FileNotFoundError, NotADirectoryError, FormatError):
+        return False
+    if (m.run, m.step) != (run, step):
+        return False
+    (root / MARKER_NAME).unlink(missing_ok=True)
+    _fsync_dir(root)
+    for rel in sorted({f.path for f in m.files} | set(files)):
+        try:
+            (root / safe_relpath(rel)).unlink(missing_ok=True)
+        except (FormatError, IsADirectoryError):
+            continue
+    manifest_path.unlink(missing_ok=True)
+    for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
+        try:
+            os.rmdir(dirpath)  # only empty ones
+        except OSError:
+            pass
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class EvictionResult:
+    plan: EvictionPlan
+    evicted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)    # the catalog no longer allowed it, or not ours
+
+
+def evict(catalog, root: str | os.PathLike[str], *, high_water: float = 0.85, low_water: float | None = None,
+          capacity_bytes: int | None = None, min_replicas: int = 1, keep_newest: int = 1,
+          dry_run: bool = False) -> EvictionResult:
+    """Measure `root`, plan, and (unless `dry_run`) delete the chosen local copies."""
+    root = Path(root).resolve()  # the catalog holds resolved paths (safepoint commit resolves them)
+    copies = [c for c in catalog.local_copies(root) if Path(c.path).is_dir()]
+    sizes = {c.path: folder_bytes(c.path) for c in copies}
+    p = plan_eviction(copies, sizes, measure(root, capacity_bytes), high_water=high_water, low_water=low_water,
+                      min_replicas=min_replicas, keep_newest=keep_newest)
+    result = EvictionResult(p)
+    if dry_run:
+        return result
+    for d in p.evict:
+        c = d.copy
+        if not catalog.claim_local_eviction(c, states=EVICTABLE, min_replicas=min_replicas):
+            result.skipped.append(c.path)
+            continue
+        if remove_local_snapshot(c.path, c.run, c.step, catalog.file_paths(c.checkpoint_id)):
+            catalog.local_copy_removed(c.checkpoint_id, c.path)
+            result.evicted.append(c.path)
+        else:
+            result.skipped.append(c.path)
+    return result

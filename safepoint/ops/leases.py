@@ -1,0 +1,105 @@
+"""Exclusive work through catalog leases: one holder per name, renewed while held.
+
+The catalog lease (Catalog.acquire_lease) is an atomic compare-and-set row with an expiry. A holder
+renews it from a daemon thread while it works, so a lease outlives slow uploads but not a dead
+process: when the holder dies, the lease expires after `ttl_s` and a waiter takes over. Nothing
+waits forever: `wait_s` bounds every wait and the caller decides what a timeout means.
+
+- `held(catalog, name)`: a mutex, e.g. "one ingest of this checkpoint part per destination";
+- `slot(catalog, prefix, slots)`: a counting semaphore of `slots` leases, e.g. "at most N uploads
+  in flight on this host", without a Prefect server (works with the embedded runner too).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from safepoint.catalog.store import Catalog
+from safepoint.core.errors import SafepointError
+
+
+class LeaseBusy(SafepointError):
+    """The lease (or every slot) stayed held by others for the whole wait."""
+
+
+def default_holder() -> str:
+    """host:pid:random, unique per call so two holders in one process never share a lease."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class _Renewer(threading.Thread):
+    def __init__(self, catalog: Catalog, name: str, holder: str, ttl_s: float):
+        super().__init__(name=f"lease-{name}", daemon=True)
+        self.catalog, self.lease, self.holder, self.ttl_s = catalog, name, holder, ttl_s
+        self.stop = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        while not self.stop.wait(self.ttl_s / 3):
+            try:
+                if not self.catalog.acquire_lease(self.lease, self.holder, self.ttl_s):
+                    self.lost = True  # expired and taken over: the holder was too slow to renew
+                    return
+            except Exception:  # noqa: BLE001 - a transient catalog error: try again next period
+                continue
+
+
+def _try(catalog: Catalog, names: list[str], holder: str, ttl_s: float) -> str | None:
+    for n in names:
+        if catalog.acquire_lease(n, holder, ttl_s):
+            return n
+    return None
+
+
+@contextmanager
+def _hold(catalog: Catalog, names: list[str], *, holder: str | None, ttl_s: float, wait_s: float,
+          poll_s: float) -> Iterator[str]:
+    holder = holder or default_holder()
+    deadline = time.monotonic() + wait_s
+    got = _try(catalog, names, holder, ttl_s)
+    while got is None:
+        if time.monotonic() >= deadline:
+            raise LeaseBusy(f"{names[0] if len(names) == 1 else names[0].rsplit('/', 1)[0]} stayed busy "
+                            f"for {wait_s:.0f}s")
+        time.sleep(poll_s)
+        got = _try(catalog, names, holder, ttl_s)
+    renewer = _Renewer(catalog, got, holder, ttl_s)
+    renewer.start()
+    try:
+        yield got
+    finally:
+        renewer.stop.set()
+        renewer.join(timeout=5)
+        catalog.release_lease(got, holder)
+
+
+@contextmanager
+def held(catalog: Catalog, name: str, *, holder: str | None = None, ttl_s: float = 60.0,
+         wait_s: float = 3600.0, poll_s: float = 1.0) -> Iterator[str]:
+    """Hold lease `name` for the block; wait up to `wait_s` for it (LeaseBusy after that)."""
+    with _hold(catalog, [name], holder=holder, ttl_s=ttl_s, wait_s=wait_s, poll_s=poll_s) as got:
+        yield got
+
+
+@contextmanager
+def slot(catalog: Catalog, prefix: str, slots: int, *, holder: str | None = None, ttl_s: float = 60.0,
+         wait_s: float = 3600.0, poll_s: float = 0.5) -> Iterator[str]:
+    """Hold one of `slots` leases `prefix/0..slots-1` for the block (a counting semaphore)."""
+    if slots < 1:
+        raise ValueError("slots must be >= 1")
+    # Start at a random slot so waiters do not all hammer slot 0.
+    start = uuid.uuid4().int % slots
+    names = [f"{prefix}/{(start + i) % slots}" for i in range(slots)]
+    with _hold(catalog, names, holder=holder, ttl_s=ttl_s, wait_s=wait_s, poll_s=poll_s) as got:
+        yield got
+
+
+def this_host() -> str:
+    """The name this host goes by in leases and events: $SAFEPOINT_NODE, else the host name."""
+    return os.environ.get("SAFEPOINT_NODE") or socket.gethostname()

@@ -1,0 +1,116 @@
+"""Pure decisions over catalog views: where to resume. No I/O here.
+
+Inputs are `catalog.views.CheckpointView` values (or anything with the same attributes), so these
+functions are tested with plain tables and properties. Retention lives in safepoint.retention
+(`keep_last_plan` below is kept as a shorthand for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+
+# Checkpoints the pipeline is still working on: their outcome is not known yet.
+PENDING = frozenset({CS.COMMITTED, CS.REPLICATING, CS.REPLICATED, CS.VALIDATING})
+# Replica states that say a copy is bad, not merely absent by design (deleted) or in progress.
+BAD_REPLICA = frozenset({RS.CORRUPT, RS.MISSING})
+
+
+def verified_replicas(ckpt: Any) -> list:
+    return [r for r in ckpt.replicas if r.state is RS.VERIFIED]
+
+
+def is_good(ckpt: Any, min_replicas: int = 1) -> bool:
+    """Verified, with at least `min_replicas` verified replicas and no replica known bad.
+
+    This is what retention may count as a kept good checkpoint: a checkpoint one of whose replicas
+    was found corrupt or missing is not counted, even if another copy still verifies.
+    """
+    return (ckpt.state is CS.VERIFIED and len(verified_replicas(ckpt)) >= min_replicas
+            and not any(r.state in BAD_REPLICA for r in ckpt.replicas))
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    chosen: Any | None                          # the CheckpointView to resume from, or None
+    passed_over: tuple[tuple[Any, str], ...]    # newer candidates and why each was skipped, newest first
+    scope: tuple[str, ...] = ()                 # the rules that limited the candidates (for --explain)
+
+    @property
+    def urls(self) -> list[str]:
+        """The URL of every verified replica of the chosen checkpoint."""
+        if self.chosen is None:
+            return []
+        return [r.url for r in verified_replicas(self.chosen)]
+
+
+def _why_not(c: Any, min_replicas: int) -> str | None:
+    if c.state in PENDING:
+        return f"still pending validation (state {c.state})"
+    if c.state is not CS.VERIFIED:
+        return f"state is {c.state}" + (f": {c.error}" if getattr(c, "error", None) else "")
+    good = verified_replicas(c)
+    if len(good) < min_replicas:
+        others = ", ".join(f"{r.url} is {r.state}" for r in c.replicas if r.state is not RS.VERIFIED)
+        return (f"{len(good)} verified replica(s), {min_replicas} required"
+                + (f" ({others})" if others else ""))
+    return None
+
+
+def resume_point(
+    checkpoints: Iterable,
+    *,
+    min_replicas: int = 1,
+    max_step: int | None = None,
+    before: datetime | None = None,
+    tag: str | None = None,
+) -> ResumeDecision:
+    """The newest checkpoint in scope that is `verified` with >= `min_replicas` verified replicas.
+
+    Scope: step <= `max_step`, created strictly before `before`, tagged `tag` (each optional).
+    Checkpoints out of scope are not candidates and are not listed. Every newer candidate that
+    loses is listed with the reason, so the answer can be explained.
+    """
+    if min_replicas < 0:
+        raise ValueError("min_replicas must be >= 0")
+    scope = []
+    if max_step is not None:
+        scope.append(f"step <= {max_step}")
+    if before is not None:
+        scope.append(f"created before {before.isoformat()}")
+    if tag is not None:
+        scope.append(f"tagged {tag!r}")
+    passed: list[tuple[Any, str]] = []
+    for c in sorted(checkpoints, key=lambda c: c.step, reverse=True):
+        if max_step is not None and c.step > max_step:
+            continue
+        if before is not None and c.created_at is not None and c.created_at >= before:
+            continue
+        if tag is not None and tag not in (c.tags or ()):
+            continue
+        why = _why_not(c, min_replicas)
+        if why is None:
+            return ResumeDecision(c, tuple(passed), tuple(scope))
+        passed.append((c, why))
+    return ResumeDecision(None, tuple(passed), tuple(scope))
+
+
+def keep_last_plan(checkpoints: Sequence, keep_last: int, *, now: datetime | None = None):
+    """Shorthand for `retention.plan(checkpoints, KeepLastN(keep_last), now)` (invariants included)."""
+    from safepoint.rules import retention
+
+    return retention.plan(checkpoints, retention.KeepLastN(keep_last), now)
+
+
+def __getattr__(name: str) -> Any:
+    # RetentionPlan moved to safepoint.retention; keep the old import path working.
+    if name == "RetentionPlan":
+        from safepoint.rules.retention import RetentionPlan
+
+        return RetentionPlan
+    raise AttributeError(f"module 'safepoint.rules.resume' has no attribute {name!r}")

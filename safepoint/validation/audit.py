@@ -1,0 +1,246 @@
+"""Numerical audit of every tensor: NaN/Inf counts, L2 norm and max |x|, and norm jumps between checkpoints.
+
+Stats are computed piece by piece from a TensorSource (safepoint.loaders), so a tensor is never
+materialized whole. The fast path per piece is two reductions that torch runs multithreaded and
+without temporaries: `aminmax` (finite min and max imply no NaN/Inf, and give max |x|) and
+`vector_norm` (float32 accumulation, float64 only for a piece whose squares overflow). Only a piece
+that holds NaN/Inf pays for masks and counts. 16-bit floats are reduced natively with a float32
+accumulator; nothing is upcast to float64 wholesale.
+
+The comparison with the previous verified checkpoint of the run (`norm_jumps`) is a pure function
+of two lists of stats and the thresholds (`Thresholds`, from `[validation]` in config.toml).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from safepoint.validation.loaders.base import Limits, LoadedTensor, TensorSource
+
+__all__ = [
+    "Baseline", "Jump", "TensorStat", "Thresholds", "baseline_from_catalog", "norm_jumps", "stat_keys", "stat_of",
+    "stat_rows", "tensor_stat",
+]
+
+_NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """Stats of one tensor. norm and max_abs cover the finite values only (NaN/Inf are counted apart).
+
+    `value` holds the value of a one-element tensor (e.g. a step counter), for the step check.
+    """
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    norm: float | None
+    max_abs: float | None
+    nan_count: int
+    inf_count: int
+    value: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+class _Acc:
+    """Running sum of squares (float64), max |x|, NaN and Inf counts over pieces."""
+
+    def __init__(self) -> None:
+        self.sumsq, self.max_abs, self.nans, self.infs = 0.0, 0.0, 0, 0
+
+    def add(self, c: torch.Tensor) -> None:
+        if c.is_complex():
+            c = torch.view_as_real(c).reshape(-1)  # real and imaginary parts, counted apart
+        if c.dtype == torch.bool:
+            n = int(c.sum())
+            self.sumsq += n
+            self.max_abs = max(self.max_abs, 1.0 if n else 0.0)
+            return
+        if not c.is_floating_point():
+            x = c.to(torch.float64)
+            self.sumsq += float(torch.linalg.vector_norm(x)) ** 2
+            self.max_abs = max(self.max_abs, float(x.abs().max()))
+            return
+        if c.dtype not in _NATIVE:  # float8 and friends: upcast this piece only
+            c = c.to(torch.float32)
+        lo, hi = (float(x) for x in torch.aminmax(c))
+        if math.isfinite(lo) and math.isfinite(hi):
+            self.max_abs = max(self.max_abs, -lo, hi)
+            n = float(torch.linalg.vector_norm(c, dtype=torch.float32 if c.dtype in _HALF else None))
+            if not math.isfinite(n):  # squares overflowed the accumulator: redo this piece in float64
+                n = float(torch.linalg.vector_norm(c, dtype=torch.float64))
+            self.sumsq += n * n
+            return
+        finite = torch.isfinite(c)
+        nans = int(torch.isnan(c).sum())
+        self.nans += nans
+        self.infs += c.numel() - int(finite.sum()) - nans
+        c = c.masked_fill(~finite, 0.0)
+        self.max_abs = max(self.max_abs, float(c.abs().max()))
+        self.sumsq += float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
+
+
+def _dtype_name(src: TensorSource) -> str:
+    name = getattr(src, "dtype_name", None)
+    return name or str(src.dtype).removeprefix("torch.")
+
+
+def _readable(src: TensorSource) -> bool:
+    if src.dtype is None:
+        return False
+    t = getattr(src, "tensor", None)
+    return t is None or (t.layout in (torch.strided, torch.sparse_coo) and not t.is_quantized)
+
+
+def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems) -> TensorStat:
+    """Stats of a tensor, read piece by piece. A LoadError while reading propagates (it is a finding);
+    a dtype or layout the stats cannot handle gives norm/max_abs None."""
+    shape = tuple(int(d) for d in src.shape)
+    numel = math.prod(shape)
+    base = dict(name=name, file=file, dtype=_dtype_name(src), shape=shape, numel=numel)
+    if not _readable(src):
+        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0)
+    acc, usable, value = _Acc(), True, None
+    for piece in src.pieces(max(1, chunk_elems)):
+        if numel == 1 and not piece.is_complex():
+            try:
+                value = float(piece[0])
+            except (RuntimeError, TypeError, ValueError):
+                value = None
+        if usable:
+            try:
+                acc.add(piece)
+            except (RuntimeError, TypeError, NotImplementedError):
+                usable = False  # keep reading: a bad chunk further on is still a finding
+        del piece
+    if not usable:
+        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0, value=value)
+    return TensorStat(**base, norm=math.sqrt(acc.sumsq), max_abs=acc.max_abs, nan_count=acc.nans,
+                      inf_count=acc.infs, value=value)
+
+
+def tensor_stat(name: str, t: torch.Tensor, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems,
+                ) -> TensorStat:
+    """Stats of an in-memory tensor (same computation as stat_of)."""
+    try:
+        return stat_of(name, LoadedTensor(t), file=file, chunk_elems=chunk_elems)
+    except Exception:
+        shape = tuple(int(d) for d in t.shape)
+        return TensorStat(name=name, file=file, dtype=str(t.dtype).removeprefix("torch."), shape=shape,
+                          numel=math.prod(shape), norm=None, max_abs=None, nan_count=0, inf_count=0)
+
+
+# ------------------------------------------------------------------------------------ naming in the catalog
+
+def stat_keys(stats: Iterable[TensorStat]) -> list[str]:
+    """The name each stat is stored and compared under: the tensor name, or `file:name` when the same
+    tensor name appears in several files of the snapshot (e.g. one file per tensor-parallel rank)."""
+    stats = list(stats)
+    counts = Counter(s.name for s in stats)
+    return [s.name if counts[s.name] == 1 else f"{s.file}:{s.name}" for s in stats]
+
+
+def stat_rows(stats: Iterable[TensorStat]) -> list[dict[str, Any]]:
+    """Rows for catalog.record_validation (names from stat_keys)."""
+    stats = list(stats)
+    return [{**s.to_dict(), "name": key} for s, key in zip(stats, stat_keys(stats))]
+
+
+# ------------------------------------------------------------------------------------ norm jumps
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a tensor's norm has moved too much since the previous verified checkpoint of the run.
+
+    A tensor is flagged when its norm grew or shrank by more than `norm_jump_factor` (symmetric:
+    x10 or /10 by default). Norms below `norm_floor` count as `norm_floor` (a bias that leaves zero
+    is not an infinite jump). Tensors with fewer than `min_numel` elements (step counters) and names
+    matching an `ignore` glob are not compared. `norm_jump_factor` None or 0 turns the check off.
+    """
+
+    norm_jump_factor: float | None = 10.0
+    norm_floor: float = 1e-6
+    min_numel: int = 2
+    ignore: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Stats of the previous verified checkpoint of the same run: `label` (e.g. "run/100"), rows by name."""
+
+    label: str
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Jump:
+    key: str
+    name: str
+    file: str
+    norm: float
+    previous: float
+    ratio: float  # >= 1: growth or shrink factor
+    grew: bool
+
+    def message(self, label: str, factor: float) -> str:
+        how = "grew" if self.grew else "shrank"
+        return (f"{self.name}: norm {how} x{self.ratio:.3g} since {label} ({self.previous:.6g} -> {self.norm:.6g}; "
+                f"limit x{factor:g})")
+
+
+def norm_jumps(current: Iterable[TensorStat], baseline: Baseline, thresholds: Thresholds) -> tuple[list[Jump], int]:
+    """(jumps over the threshold, number of tensors compared). Pure."""
+    factor = thresholds.norm_jump_factor
+    if not factor or factor <= 1:
+        return [], 0
+    current = list(current)
+    jumps: list[Jump] = []
+    compared = 0
+    for s, key in zip(current, stat_keys(current)):
+        prev = baseline.stats.get(key)
+        if prev is None or s.norm is None or prev.get("norm") is None or s.numel < thresholds.min_numel:
+            continue
+        if list(prev.get("shape") or []) != list(s.shape):
+            continue
+        if any(fnmatch.fnmatchcase(key, pat) or fnmatch.fnmatchcase(s.name, pat) for pat in thresholds.ignore):
+            continue
+        if not math.isfinite(s.norm) or not math.isfinite(float(prev["norm"])):
+            continue
+        compared += 1
+        a = max(s.norm, thresholds.norm_floor)
+        b = max(float(prev["norm"]), thresholds.norm_floor)
+        ratio = max(a, b) / min(a, b)
+        if ratio > factor:
+            jumps.append(Jump(key, s.name, s.file, s.norm, float(prev["norm"]), ratio, a > b))
+    return jumps, compared
+
+
+def baseline_from_catalog(catalog: Any, run: str, step: int) -> Baseline | None:
+    """The stats of the newest verified checkpoint of `run` before `step` (its latest validation)."""
+    from safepoint.core.states import CheckpointState
+
+    earlier = [c for c in catalog.list_checkpoints(run, states=[CheckpointState.VERIFIED]) if c.step < step]
+    if not earlier:
+        return None
+    prev = max(earlier, key=lambda c: c.step)
+    validation = catalog.latest_validation(prev.id)
+    if validation is None or not validation.ok:
+        return None
+    rows = catalog.tensor_stats(validation.id)
+    return Baseline(label=f"{run}/{prev.step}", stats={r["name"]: r for r in rows}, step=prev.step)

@@ -1,0 +1,406 @@
+"""Dry-run load validation of a snapshot folder: every tensor loads, safely, with bounded memory.
+
+`validate_snapshot(folder)` reads every checkpoint file of a snapshot the safe way (torch.save files
+with the weights-only unpickler, memory-mapped; safetensors after checking the header; DCP folders
+with a restricted metadata unpickler and no process group) and streams every tensor, model and
+optimizer state alike, piece by piece through the numerical audit (safepoint.audit: NaN/Inf, L2
+norm, max |x|). Peak memory is one piece per tensor, not one file: read pages are released as soon
+as they are used. Each byte is read once; hashing is the replicator's job, not repeated here.
+
+On top of what loading alone catches, validation can run:
+- a strict dry-run load against the user's model factory (safepoint.harness): missing, unexpected
+  and renamed keys, shape and dtype mismatches, optimizer state vs parameter groups, recorded step
+  vs the catalog's step;
+- a norm-jump audit against the previous verified checkpoint of the run (`baseline`).
+
+Results are data (ValidationReport), never exceptions: a file that cannot be loaded is a finding,
+not a crash. Only a model factory that cannot be built raises (HarnessError: a usage error, not a
+verdict on the checkpoint). Problems listed in `warn_only` are reported as warnings.
+
+Extension points: `iter_file_leaves(path)` / `iter_file_tensors(path)` (safepoint.loaders) give the
+leaves or tensors of any supported file; `tensor_stat(name, t)` computes stats of one tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from safepoint.core.errors import FormatError
+from safepoint.core.format import CONTROL_FILES, TMP_PREFIX, safe_relpath
+from safepoint.validation.audit import Baseline, TensorStat, norm_jumps, stat_of, tensor_stat
+from safepoint.validation.harness import Found, Harness, TensorSpec, build_harness, check
+from safepoint.validation.loaders import (
+    SAFETENSORS,
+    TORCH,
+    DcpCheckpoint,
+    Limits,
+    LoadError,
+    Problem,
+    TensorSource,
+    detect_format,
+    iter_file_leaves,
+    iter_file_tensors,
+    iter_tensors,
+    one_line,
+)
+from safepoint.validation.loaders.dcp import DCP_SUFFIX, METADATA_NAME
+from safepoint.validation.settings import ValidationSettings
+
+__all__ = [
+    "Finding", "Limits", "LoadError", "Problem", "TensorStat", "ValidationReport", "ValidationSettings",
+    "iter_file_tensors", "iter_tensors", "tensor_stat", "validate_snapshot",
+]
+
+FILE_OK, FILE_INVALID, FILE_SKIPPED, FILE_MISSING = "ok", "invalid", "skipped", "missing"
+# Plain values kept for the harness (param groups, step): small ones only.
+_MAX_VALUE_ITEMS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Finding:
+    file: str
+    tensor: str | None
+    problem: Problem
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "tensor": self.tensor, "problem": self.problem.value, "message": self.message}
+
+
+@dataclass
+class ValidationReport:
+    files: dict[str, str] = field(default_factory=dict)   # path -> ok | invalid | skipped | missing
+    stats: list[TensorStat] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)   # failing: the checkpoint is not verified
+    warnings: list[Finding] = field(default_factory=list)   # flagged but not failing (warn_only)
+    checks: dict[str, Any] = field(default_factory=dict)    # what was compared: harness, audit
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def outcome(self) -> str:
+        """'verified' (no findings), 'incomplete' (only missing files) or 'invalid'."""
+        if not self.findings:
+            return "verified"
+        if all(f.problem is Problem.MISSING for f in self.findings):
+            return "incomplete"
+        return "invalid"
+
+    def summary(self) -> str:
+        counts = {s: 0 for s in (FILE_OK, FILE_INVALID, FILE_MISSING, FILE_SKIPPED)}
+        for status in self.files.values():
+            counts[status] = counts.get(status, 0) + 1
+        head = (f"{self.outcome}: {len(self.files)} files ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
+                f"{len(self.stats)} tensors")
+        if self.warnings:
+            head += f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}"
+        if not self.findings:
+            return head
+        shown = "; ".join(f.message for f in self.findings[:3])
+        more = f"; and {len(self.findings) - 3} more" if len(self.findings) > 3 else ""
+        n = len(self.findings)
+        return f"{head}; {n} problem{'s' if n != 1 else ''}: {shown}{more}"
+
+    def to_dict(self, *, include_stats: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "outcome": self.outcome,
+            "ok": self.ok,
+            "summary": self.summary(),
+            "files": dict(sorted(self.files.items())),
+            "tensors": len(self.stats),
+            "bytes_checked": sum(_nbytes(s) for s in self.stats),
+            "findings": [f.to_dict() for f in self.findings],
+            "warnings": [f.to_dict() for f in self.warnings],
+            "checks": self.checks,
+        }
+        if include_stats:
+            d["stats"] = [s.to_dict() for s in self.stats]
+        return d
+
+
+def _nbytes(s: TensorStat) -> int:
+    import torch
+
+    dtype = getattr(torch, s.dtype, None)
+    return s.numel * dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+
+
+# ------------------------------------------------------------------------------------------ walking
+
+def _walk_folder(folder: Path) -> tuple[list[str], list[str]]:
+    """(data files, unsafe entries) under folder, as relative '/' paths; control and temp files skipped."""
+    files: list[str] = []
+    unsafe: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        rel_dir = Path(dirpath).relative_to(folder)
+        for d in list(dirnames):
+            if os.path.islink(os.path.join(dirpath, d)):
+                unsafe.append((rel_dir / d).as_posix())
+                dirnames.remove(d)
+        for name in filenames:
+            rel = (rel_dir / name).as_posix()
+            if name.startswith(TMP_PREFIX) or (rel_dir == Path(".") and name in CONTROL_FILES):
+                continue
+            files.append(rel)
+    return sorted(files), sorted(unsafe)
+
+
+def _small_value(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return not isinstance(v, str) or len(v) <= 4096
+    if isinstance(v, (list, tuple)):
+        return len(v) <= _MAX_VALUE_ITEMS and all(x is None or isinstance(x, (bool, int, float, str)) for x in v)
+    return False
+
+
+class _Validator:
+    def __init__(self, folder: Path, settings: ValidationSettings) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.limits = settings.limits
+        self.report = ValidationReport()
+        self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
+
+    def find(self, file: str, problem: Problem, message: str, tensor: str | None = None) -> None:
+        self.report.findings.append(Finding(file, tensor, problem, message))
+
+    def flag(self, file: str, problem: Problem, message: str, tensor: str | None = None) -> None:
+        """A harness or audit flag: failing, or a warning when the settings say so."""
+        if self.settings.failing(problem):
+            self.find(file, problem, message, tensor)
+            if file in self.report.files:
+                self.status(file, FILE_INVALID)
+        else:
+            self.report.warnings.append(Finding(file, tensor, problem, message))
+
+    def status(self, file: str, status: str) -> None:
+        # missing and invalid win over ok/skipped
+        rank = {FILE_SKIPPED: 0, FILE_OK: 1, FILE_INVALID: 2, FILE_MISSING: 3}
+        old = self.report.files.get(file)
+        if old is None or rank[status] > rank[old]:
+            self.report.files[file] = status
+
+    def add_leaves(self, file: str, leaves: Iterable[tuple[str, Any]], on_problem: Any) -> None:
+        """Stream every tensor through the audit; keep small plain values. A tensor that fails to
+        read is reported through on_problem (its file may differ, e.g. a DCP rank file)."""
+        for name, leaf in leaves:
+            if not isinstance(leaf, TensorSource):
+                if _small_value(leaf):
+                    self.values[name] = leaf
+                continue
+            try:
+                st = stat_of(name, leaf, file=file, chunk_elems=self.limits.stats_chunk_elems)
+            except LoadError as e:
+                e.tensor = e.tensor or name
+                on_problem(e)
+                continue
+            except OSError as e:
+                on_problem(LoadError(Problem.UNLOADABLE, f"{name}: {one_line(e)}", tensor=name))
+                continue
+            finally:
+                del leaf
+            self.report.stats.append(st)
+            if st.value is not None:
+                self.values.setdefault(name, st.value)
+            if st.nan_count:
+                self.find(file, Problem.NAN, f"{name}: {st.nan_count} NaN values", name)
+            if st.inf_count:
+                self.find(file, Problem.INF, f"{name}: {st.inf_count} Inf values", name)
+
+    def run(self, files: list[str]) -> ValidationReport:
+        present: list[str] = []
+        for rel in files:
+            try:
+                safe_relpath(rel)
+            except FormatError as e:
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.UNSAFE, str(e))
+                continue
+            path = self.folder / rel
+            if os.path.islink(path):
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.UNSAFE, f"{rel}: symbolic link (snapshots hold regular files only)")
+            elif not path.exists():
+                self.status(rel, FILE_MISSING)
+                self.find(rel, Problem.MISSING, f"{rel}: missing")
+            elif not path.is_file():
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.UNSAFE, f"{rel}: not a regular file")
+            else:
+                present.append(rel)
+        listed = set(files)
+        claimed: set[str] = set()
+        for rel in present:
+            if rel.rsplit("/", 1)[-1] == METADATA_NAME:
+                claimed |= self.validate_dcp(rel, listed)
+                # .distcp files next to it that the metadata does not reference: not loadable alone
+                prefix = rel[: -len(METADATA_NAME)]
+                for other in present:
+                    if other not in claimed and other.startswith(prefix) and other.endswith(DCP_SUFFIX) \
+                            and "/" not in other[len(prefix):]:
+                        claimed.add(other)
+                        self.status(other, FILE_SKIPPED)
+        for rel in present:
+            if rel not in claimed:
+                self.validate_file(rel)
+        return self.report
+
+    def validate_file(self, rel: str) -> None:
+        path = self.folder / rel
+        try:
+            fmt = detect_format(path)
+        except OSError as e:
+            self.status(rel, FILE_INVALID)
+            self.find(rel, Problem.UNLOADABLE, f"{rel}: {one_line(e)}")
+            return
+        if fmt not in (TORCH, SAFETENSORS):
+            self.status(rel, FILE_SKIPPED)
+            return
+        errors: list[LoadError] = []
+        try:
+            self.add_leaves(rel, iter_file_leaves(path, limits=self.limits, on_problem=errors.append), errors.append)
+        except LoadError as e:
+            errors.append(e)
+        except Exception as e:  # a loader bug or an unexpected library error: still data
+            errors.append(LoadError(Problem.UNLOADABLE, one_line(e)))
+        for e in errors:
+            self.find(rel, e.problem, f"{rel}: {e.message}", e.tensor)
+        had_findings = errors or any(f.file == rel for f in self.report.findings)
+        self.status(rel, FILE_INVALID if had_findings else FILE_OK)
+
+    def validate_dcp(self, meta_rel: str, listed: set[str]) -> set[str]:
+        """Validate the DCP checkpoint whose metadata is meta_rel; return the files it claims."""
+        prefix = meta_rel[: -len(METADATA_NAME)]  # "" or "sub/dir/"
+        claimed = {meta_rel}
+        try:
+            ckpt = DcpCheckpoint.open(self.folder / meta_rel, self.limits)
+        except LoadError as e:
+            self.status(meta_rel, FILE_INVALID)
+            self.find(meta_rel, e.problem, f"{meta_rel}: {e.message}")
+            return claimed
+        except Exception as e:
+            self.status(meta_rel, FILE_INVALID)
+            self.find(meta_rel, Problem.UNLOADABLE, f"{meta_rel}: {one_line(e)}")
+            return claimed
+        self.status(meta_rel, FILE_OK)
+        data_files = [prefix + f for f in ckpt.data_files]
+        claimed |= set(data_files)
+        for rel in data_files:
+            if rel not in listed:
+                self.status(rel, FILE_MISSING)
+                self.find(rel, Problem.MISSING, f"{rel}: referenced by {meta_rel} but not in the snapshot")
+            else:
+                self.status(rel, FILE_OK)
+        unlisted = {f[len(prefix):] for f in data_files if f not in listed}
+
+        def on_problem(e: LoadError) -> None:
+            file = prefix + e.file if e.file else meta_rel
+            if e.file in unlisted and e.problem is Problem.MISSING:
+                return  # already reported above
+            self.status(file, FILE_MISSING if e.problem is Problem.MISSING else FILE_INVALID)
+            self.find(file, e.problem, e.message, e.tensor)
+
+        try:
+            self.add_leaves(meta_rel, ckpt.iter_leaves(on_problem), on_problem)
+        except LoadError as e:
+            on_problem(e)
+        except Exception as e:
+            on_problem(LoadError(Problem.UNLOADABLE, one_line(e)))
+        return claimed
+
+    # -- after every tensor was read ---------------------------------------------------------
+
+    def found(self) -> tuple[Found, dict[str, str]]:
+        tensors: dict[str, TensorSpec] = {}
+        origin: dict[str, str] = {}
+        dup: dict[str, list[str]] = {}
+        for s in self.report.stats:
+            if s.name in origin and origin[s.name] != s.file:
+                dup.setdefault(s.name, [origin[s.name]]).append(s.file)
+                continue
+            tensors[s.name] = TensorSpec(tuple(s.shape), s.dtype)
+            origin[s.name] = s.file
+        return Found(tensors, dict(self.values), dup), origin
+
+    def run_harness(self, harness: Harness, step: int | None) -> None:
+        found, origin = self.found()
+        s = self.settings
+        result = check(harness, found, step=step, model_key=s.model_key, optimizer_key=s.optimizer_key,
+                       step_key=s.step_key, check_step_=s.check_step)
+        self.report.checks["harness"] = result.info
+        main = max(set(origin.values()), key=list(origin.values()).count) if origin else "."
+        for issue in result.issues:
+            self.flag(origin.get(issue.tensor or "", main), issue.problem, issue.message, issue.tensor)
+
+    def run_audit(self, baseline: Baseline) -> None:
+        t = self.settings.thresholds
+        jumps, compared = norm_jumps(self.report.stats, baseline, t)
+        self.report.checks["audit"] = {"against": baseline.label, "compared": compared,
+                                       "norm_jump_factor": t.norm_jump_factor, "flagged": len(jumps)}
+        for j in jumps:
+            self.flag(j.file, Problem.NORM_JUMP, j.message(baseline.label, t.norm_jump_factor or 0), j.name)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with n torch intra-op threads (0: unchanged), restoring the previous count after."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n and n != before:
+            torch.set_num_threads(before)
+
+
+def validate_snapshot(
+    folder: str | os.PathLike, files: Iterable[str] | None = None, *, limits: Limits | None = None,
+    model: str | Harness | None = None, settings: ValidationSettings | None = None, step: int | None = None,
+    baseline: Baseline | None = None,
+) -> ValidationReport:
+    """Dry-run load every checkpoint file of a snapshot folder; return a report (never raises for bad data).
+
+    files: the data files' relative paths (from the manifest); None walks the folder, skipping
+    MANIFEST.json, COMMITTED and temporary files. DCP tensors are reported under the `.metadata`
+    path as their file.
+    model: a factory spec `package.module:function` (or a built Harness) for the strict dry-run
+    load; it overrides settings.model. step: the catalog's step, checked against the checkpoint's.
+    baseline: stats of the previous verified checkpoint, for the norm-jump audit.
+    Raises HarnessError (a UsageError) when the model factory cannot be built.
+    """
+    settings = settings or ValidationSettings()
+    if limits is not None:
+        settings = replace(settings, limits=limits)
+    spec = model if model is not None else settings.model
+    harness = build_harness(spec, settings.device) if isinstance(spec, str) else spec
+    root = Path(folder)
+    v = _Validator(root, settings)
+    if not root.is_dir():
+        v.find(".", Problem.MISSING, f"{os.fspath(folder)}: snapshot folder missing")
+        return v.report
+    if files is None:
+        file_list, unsafe = _walk_folder(root)
+        for rel in unsafe:
+            v.status(rel, FILE_INVALID)
+            v.find(rel, Problem.UNSAFE, f"{rel}: symbolic link (snapshots hold regular files only)")
+    else:
+        file_list = sorted(dict.fromkeys(files))
+    with torch_threads(settings.threads):
+        v.run(file_list)
+    unreadable = any(f.problem in (Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING)
+                     for f in v.report.findings)
+    if harness is not None and not unreadable:
+        v.run_harness(harness, step)
+    if baseline is not None and not unreadable:
+        v.run_audit(baseline)
+    return v.report
