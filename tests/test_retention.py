@@ -126,11 +126,9 @@ def test_invariants_are_per_run():
     assert p.runs() == ["a", "b"]
 
 
-def test_keep_last_plan_shorthand_and_old_import_path():
-    from safepoint.rules.resume import RetentionPlan, keep_last_plan
-
-    p = keep_last_plan(hist(*GOOD5), 3)
-    assert isinstance(p, RetentionPlan) and deleted(p) == [1, 2]
+def test_keep_last_n_plan():
+    p = rt.plan(hist(*GOOD5), rt.KeepLastN(3))
+    assert isinstance(p, rt.RetentionPlan) and deleted(p) == [1, 2]
     assert set(p.keep) == {3, 4, 5}
 
 

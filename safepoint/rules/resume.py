@@ -1,13 +1,13 @@
 """Pure decisions over catalog views: where to resume. No I/O here.
 
 Inputs are `catalog.views.CheckpointView` values (or anything with the same attributes), so these
-functions are tested with plain tables and properties. Retention lives in safepoint.retention
-(`keep_last_plan` below is kept as a shorthand for it).
+functions are tested with plain tables and properties. Retention lives in safepoint.rules.retention,
+which builds on `is_good` and `PENDING` here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -98,19 +98,3 @@ def resume_point(
             return ResumeDecision(c, tuple(passed), tuple(scope))
         passed.append((c, why))
     return ResumeDecision(None, tuple(passed), tuple(scope))
-
-
-def keep_last_plan(checkpoints: Sequence, keep_last: int, *, now: datetime | None = None):
-    """Shorthand for `retention.plan(checkpoints, KeepLastN(keep_last), now)` (invariants included)."""
-    from safepoint.rules import retention
-
-    return retention.plan(checkpoints, retention.KeepLastN(keep_last), now)
-
-
-def __getattr__(name: str) -> Any:
-    # RetentionPlan moved to safepoint.retention; keep the old import path working.
-    if name == "RetentionPlan":
-        from safepoint.rules.retention import RetentionPlan
-
-        return RetentionPlan
-    raise AttributeError(f"module 'safepoint.rules.resume' has no attribute {name!r}")

@@ -1,0 +1,193 @@
+"""The tree shows the architecture: layers import downwards only, never in a loop, and only the
+Prefect edge imports Prefect (docs/architecture.md).
+
+Every import counts, function-local ones too: a loop hidden inside a function is still a loop.
+Imports under ``if TYPE_CHECKING:`` are annotations only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+PACKAGE_DIR: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+
+#: lowest first; a module may import its own layer's modules (without a loop) and any layer below
+LAYERS = [
+    ("core", ["safepoint.core"]),
+    ("rules", ["safepoint.rules"]),
+    ("local", ["safepoint.local"]),
+    ("destinations", ["safepoint.destinations"]),
+    ("validation", ["safepoint.validation"]),
+    ("snapshotter", ["safepoint.snapshotter", "safepoint.integrations"]),
+    ("catalog", ["safepoint.catalog", "safepoint.migrations"]),
+    ("ops", ["safepoint.ops"]),
+    ("events", ["safepoint.events"]),
+    ("edge", ["safepoint.flows", "safepoint.tasks"]),
+    ("cli", ["safepoint.cli"]),
+]
+#: the only packages allowed to import prefect (and prefect_dask)
+PREFECT_EDGE = ("safepoint.flows", "safepoint.tasks")
+
+
+def _source_roots() -> dict[str, Path]:
+    roots = {"safepoint": REPO / "safepoint"}
+    roots.update({pkg: REPO / folder for pkg, folder in PACKAGE_DIR.items()})
+    return roots
+
+
+def project_modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, root in _source_roots().items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules (and external top-level names) that `module` imports anywhere in its body."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known and "." in name:
+                name = name.rpartition(".")[0]
+            if name != module:
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = project_modules()
+    known = set(mods)
+    return {m: imports_of(m, p, known) for m, p in mods.items()}
+
+
+def layer_of(module: str) -> int | None:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle between project modules, or None (iterative DFS, colours)."""
+    colour: dict[str, int] = {}
+    for start in sorted(g):
+        if colour.get(start):
+            continue
+        stack = [(start, iter(sorted(d for d in g[start] if d in g)))]
+        path = [start]
+        colour[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+                continue
+            if colour.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if not colour.get(nxt):
+                colour[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(sorted(d for d in g[nxt] if d in g))))
+    return None
+
+
+def test_find_cycle_finds_a_planted_loop():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_every_module_has_a_layer():
+    unlayered = [m for m in project_modules() if m != "safepoint" and layer_of(m) is None]
+    assert not unlayered, f"modules outside every layer (add them to LAYERS and docs/architecture.md): {unlayered}"
+
+
+def test_imports_run_down_the_layers():
+    upward = []
+    for module, deps in graph().items():
+        mine = layer_of(module)
+        if mine is None:
+            continue
+        for dep in deps:
+            theirs = layer_of(dep)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{module} ({LAYERS[mine][0]}) imports {dep} ({LAYERS[theirs][0]})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_only_the_prefect_edge_imports_prefect():
+    offenders = sorted(
+        f"{m} imports {d}" for m, deps in graph().items() for d in deps
+        if d.split(".")[0] in ("prefect", "prefect_dask") and not m.startswith(PREFECT_EDGE)
+    )
+    assert not offenders, "\n".join(offenders)
+
+
+def test_pyproject_lists_every_package():
+    packages = {m for m, p in project_modules().items() if p.name == "__init__.py"}
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert packages == listed, f"missing: {packages - listed}, stale: {listed - packages}"
+
+
+def test_import_safepoint_and_catalog_pulls_in_neither_prefect_nor_torch():
+    code = ("import sys, safepoint, safepoint.catalog, safepoint.catalog.store\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'torch'))\n"
+            "print(heavy[:5]); sys.exit(1 if heavy else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_pip_install_puts_only_safepoint_in_site_packages(tmp_path):
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(target), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    top = sorted(p.name for p in target.iterdir() if p.name != "bin")
+    assert [n for n in top if not n.endswith(".dist-info")] == ["safepoint"], top
+    assert (target / "safepoint" / "catalog" / "store.py").is_file()
+    assert (target / "safepoint" / "migrations" / "versions" / "0001_initial.py").is_file()
+    assert (target / "safepoint" / "migrations" / "script.py.mako").is_file()
