@@ -66,6 +66,8 @@ def main() -> None:
     from safepoint.local.commit import commit
     from safepoint.local.snapshot import LocalSnapshot
     from safepoint.ops import ingest as pipeline
+    from safepoint.ops import steps
+    from safepoint.ops import validation as validation_step
 
     work = Path(args.work or tempfile.mkdtemp(prefix="sp-bench-ingest-"))
     src = work / "nvme" / "bench" / "step-10"
@@ -94,10 +96,10 @@ def main() -> None:
     snap = LocalSnapshot.open(src)
 
     # Plain pipeline, stage by stage.
-    t_reg, row = timed(lambda: pipeline.register(cat, snap))
-    t_rep, res = timed(lambda: pipeline.replicate_to(cat, row.id, snap, dest("plain").as_uri(), Config()))
-    pipeline.settle_replication(cat, row.id, [res])
-    t_val, state = timed(lambda: pipeline.validate_checkpoint(cat, row.id, snap))
+    t_reg, row = timed(lambda: steps.register(cat, snap))
+    t_rep, res = timed(lambda: steps.replicate_to(cat, row.id, snap, dest("plain").as_uri(), Config()))
+    steps.settle(cat, row.id, [res])
+    t_val, state = timed(lambda: validation_step.validate_checkpoint(cat, row.id, snap))
     assert str(state) == "verified", state
     plain = t_reg + t_rep + t_val
     rows += [("  register", t_reg), ("  replicate (read+hash+write, read back)", t_rep),

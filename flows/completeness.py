@@ -14,7 +14,9 @@ from prefect import flow, get_run_logger
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
 from safepoint.ops import assemble
-from safepoint.tasks import ingest as t
+from safepoint.ops.ingest import validate_assembled
+from safepoint.tasks.artifacts import publish_validation_report
+from safepoint.tasks.runner import PrefectSteps
 
 
 @flow(name="safepoint-completeness")
@@ -22,13 +24,16 @@ def check_completeness(run: str | None = None, catalog_url: str | None = None) -
     logger = get_run_logger()
     config = load_config()
     catalog_url = catalog_url or config.catalog_url
-    actions = t.apply_timeouts(catalog_url, config, run)
+    catalog = open_catalog(catalog_url)
+    steps = PrefectSteps()
+    actions = steps.run("apply-timeouts", assemble.apply_timeouts, catalog, config, run=run)
     out = []
     for a in actions:
         logger.info("%s/%s -> %s: %s", a.run, a.step, a.state, a.assessment.summary())
         state = a.state
         if a.validate:
-            with assemble.assembled_snapshot(open_catalog(catalog_url), a.checkpoint_id, config) as merged:
-                state = t.validate(catalog_url, a.checkpoint_id, merged, config.run_setting(a.run, "model"))
+            state = steps.run("validate", validate_assembled, catalog, a.checkpoint_id, config,
+                              config.run_setting(a.run, "model"))
+            publish_validation_report(catalog, a.checkpoint_id)
         out.append({"run": a.run, "step": a.step, "state": str(state), "missing_ranks": list(a.assessment.missing)})
     return out

@@ -12,7 +12,6 @@ deployment's default), else the `[retention]` table; runs with none are skipped.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -20,19 +19,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
-from safepoint.rules.retention import SPEC_KEYS
-from safepoint.tasks import retention as t
-
-
-def _spec_for(run: str, policy: dict[str, Any] | None, config: Any) -> dict[str, Any] | None:
-    """The run's own [runs.<run>] retention, else the flow's `policy`, else the [retention] table."""
-    per_run = config.run_setting(run, "retention")
-    if isinstance(per_run, dict) and per_run:
-        return dict(per_run)
-    if policy:
-        return dict(policy)
-    default = {k: v for k, v in config.section("retention").items() if k in SPEC_KEYS}
-    return default or None
+from safepoint.ops.retention import retention_pass
+from safepoint.tasks.runner import PrefectSteps
 
 
 def _markdown(pruned: list[dict[str, Any]], evicted: list[dict[str, Any]], skipped: list[str], dry_run: bool) -> str:
@@ -63,27 +51,16 @@ def retention(
     catalog_url: str | None = None,
 ) -> dict[str, Any]:
     """Prune `runs` (default: every run in the catalog), then evict local copies under `evict_roots`."""
-    logger = get_run_logger()
     config = load_config()
-    catalog_url = catalog_url or config.catalog_url
-    now = datetime.now(timezone.utc)
-    names = runs if runs is not None else open_catalog(catalog_url).runs()
-    specs = {run: _spec_for(run, policy, config) for run in names}
-    skipped = sorted(r for r, s in specs.items() if not s)
-    futures = [t.prune_run.submit(catalog_url, run, spec, min_replicas, dry_run, now)
-               for run, spec in specs.items() if spec]
-    pruned = [f.result() for f in futures]
-    ev = config.section("eviction")
-    roots = evict_roots if evict_roots is not None else list(ev.get("roots", []))
-    hw = high_water if high_water is not None else float(ev.get("high_water", 0.85))
-    lw = low_water if low_water is not None else ev.get("low_water")
-    cap = capacity_bytes if capacity_bytes is not None else ev.get("capacity_bytes")
-    keep = keep_newest_local if keep_newest_local is not None else int(ev.get("keep_newest", 1))
-    # After pruning, so copies retention deleted anyway are not counted against the fill.
-    evicted = [t.evict_root(catalog_url, root, hw, lw, cap, min_replicas, keep, dry_run) for root in roots]
-    create_markdown_artifact(key="safepoint-retention", markdown=_markdown(pruned, evicted, skipped, dry_run),
+    catalog = open_catalog(catalog_url or config.catalog_url)
+    result = retention_pass(catalog, config, runs=runs, policy=policy, min_replicas=min_replicas, dry_run=dry_run,
+                            evict_roots=evict_roots, high_water=high_water, low_water=low_water,
+                            capacity_bytes=capacity_bytes, keep_newest_local=keep_newest_local,
+                            runner=PrefectSteps())
+    pruned, evicted = result["runs"], result["eviction"]
+    create_markdown_artifact(key="safepoint-retention",
+                             markdown=_markdown(pruned, evicted, result["skipped_runs"], dry_run),
                              description="Safepoint retention and eviction")
-    total = sum(len(r["pruned"]) for r in pruned)
-    logger.info("retention: %d checkpoint(s) pruned over %d run(s); %d local copies evicted", total, len(pruned),
-                sum(len(e["evicted"]) for e in evicted))
-    return {"runs": pruned, "skipped_runs": skipped, "eviction": evicted, "dry_run": dry_run}
+    get_run_logger().info("retention: %d checkpoint(s) pruned over %d run(s); %d local copies evicted",
+                          sum(len(r["pruned"]) for r in pruned), len(pruned), sum(len(e["evicted"]) for e in evicted))
+    return result

@@ -57,7 +57,7 @@ def _prune(url: str, run: str, keep: int, delay: float, barrier, out) -> None:
 
 
 def _scrub(url: str, replica_url: str, rounds: int, barrier, out) -> None:
-    from safepoint.ops.ingest import verify_url
+    from safepoint.ops.verify import verify_url
 
     cat = open_catalog(url)
     cat.runs()

@@ -272,15 +272,15 @@ def test_reset_and_503_storm_is_retried_then_verified(s3_env, fault_proxy, big_s
 
 def test_endless_503_fails_cleanly_and_is_recorded(s3_env, fault_proxy, big_snapshot, sqlite_catalog):
     from safepoint.core.config import Config
-    from safepoint.ops import ingest as pipeline
+    from safepoint.ops import steps
 
     fault_proxy.add(Fault("status", method="PUT", times=None))  # every upload, forever
     url = s3_env.url("down")
     config = Config(storage={f"s3://{s3_env.bucket}": {**SMALL_PARTS, **FAST_RETRY,
                                                         "endpoint_url": fault_proxy.endpoint}})
-    row = pipeline.register(sqlite_catalog, big_snapshot)
+    row = steps.register(sqlite_catalog, big_snapshot)
     with pytest.raises(DestinationError, match="SlowDown"):
-        pipeline.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
+        steps.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
     (rep,) = sqlite_catalog.replicas(row.id)
     assert rep.state is ReplicaState.FAILED and "SlowDown" in rep.error and "gave up after 6 attempts" in rep.error
     direct = open_destination(url)
@@ -293,15 +293,15 @@ def test_endless_503_fails_cleanly_and_is_recorded(s3_env, fault_proxy, big_snap
 def test_bytes_damaged_in_flight_are_never_verified(s3_env, fault_proxy, big_snapshot, sqlite_catalog, times):
     """A flipped byte on the way up: the read-back catches it; sent again once (then verified) or failed."""
     from safepoint.core.config import Config
-    from safepoint.ops import ingest as pipeline
+    from safepoint.ops import steps
 
     fault = fault_proxy.add(Fault("corrupt", method="PUT", match=r"shard-1\.bin\?.*partNumber=2", where="request",
                                   times=times))
     url = s3_env.url("flip")
     config = Config(storage={f"s3://{s3_env.bucket}": {**SMALL_PARTS, **FAST_RETRY,
                                                         "endpoint_url": fault_proxy.endpoint}})
-    row = pipeline.register(sqlite_catalog, big_snapshot)
-    result = pipeline.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
+    row = steps.register(sqlite_catalog, big_snapshot)
+    result = steps.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
     assert fault.hits >= 1
     (rep,) = sqlite_catalog.replicas(row.id)
     direct = open_destination(url)

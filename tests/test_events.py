@@ -73,7 +73,7 @@ def finish(catalog, m: Marker, state: str = "verified") -> None:
     """What the ingest flow records at its end."""
     row = catalog.get(m.run, m.step)
     if row is None:
-        from safepoint.ops.ingest import register
+        from safepoint.ops.steps import register
 
         row = register(catalog, LocalSnapshot.open(m.snapshot))
     catalog.add_event("ingest.done", checkpoint_id=row.id, detail={
@@ -195,7 +195,7 @@ def test_ingest_done_matches_by_snapshot_and_manifest_too(tmp_path, sqlite_catal
     snap = committed(tmp_path)
     m = Marker.of(snap, ["file:///d"], "n0")
     assert ingest_finished(sqlite_catalog, m) is None
-    from safepoint.ops.ingest import register
+    from safepoint.ops.steps import register
 
     row = register(sqlite_catalog, snap)
     sqlite_catalog.add_event("ingest.done", checkpoint_id=row.id, detail={

@@ -90,7 +90,7 @@ def test_slot_caps_concurrency(catalog):
 
 
 def test_ingest_exclusivity_is_per_checkpoint_part_and_destination(tmp_path, catalog):
-    from safepoint.tasks.ingest import exclusive
+    from safepoint.ops.leases import ingest_leases
 
     folder = tmp_path / "s"
     folder.mkdir()
@@ -101,14 +101,14 @@ def test_ingest_exclusivity_is_per_checkpoint_part_and_destination(tmp_path, cat
     same, different = Occupancy(), Occupancy()
 
     def body(i):
-        with exclusive(catalog, snap, "file:///dest-a", config), same:
+        with ingest_leases(catalog, snap.manifest, "file:///dest-a", config), same:
             time.sleep(0.3)
 
     run_threads(3, body)
     assert same.peak == 1
 
     def body2(i):
-        with exclusive(catalog, snap, f"file:///dest-{i}", config), different:
+        with ingest_leases(catalog, snap.manifest, f"file:///dest-{i}", config), different:
             time.sleep(0.5)
 
     run_threads(3, body2)

@@ -141,7 +141,7 @@ def test_three_nodes_become_verified_when_all_deliver(tmp_path, catalog, cfg):
     assert merged["ranks"] == list(range(6)) and merged["node"] is None
     assert [p["node"] for p in merged["meta"]["parts"]] == ["n0", "n1", "n2"]
     # The assembled replica verifies as a whole, like any snapshot.
-    from safepoint.ops.ingest import verify_url
+    from safepoint.ops.verify import verify_url
 
     report, _ = verify_url(catalog, f"{durable}/mn/10", cfg)
     assert report.outcome is CS.VERIFIED and len(report.files) == 7
@@ -183,7 +183,7 @@ def test_lost_node_times_out_incomplete_and_a_late_part_completes_the_set(tmp_pa
 def test_all_ranks_registered_but_a_part_never_replicated(tmp_path, catalog, cfg):
     """The last node registered but died before its part committed: the timeout still fires."""
     from safepoint.local.snapshot import LocalSnapshot
-    from safepoint.ops.ingest import register
+    from safepoint.ops.steps import register
 
     durable = (tmp_path / "durable").as_uri()
     ingest(make_part(tmp_path, "mn", 3, "n0", (0, 1, 2)), [durable], catalog, cfg)
@@ -200,7 +200,7 @@ def test_all_ranks_registered_but_a_part_never_replicated(tmp_path, catalog, cfg
 def test_periodic_check_assembles_a_set_nobody_finished(tmp_path, catalog, cfg):
     """Every part committed at the destination but the last ingest died before assembling."""
     from safepoint.local.snapshot import LocalSnapshot
-    from safepoint.ops.ingest import register
+    from safepoint.ops.steps import register
 
     durable = (tmp_path / "durable").as_uri()
     ingest(make_part(tmp_path, "mn", 4, "n0", (0, 1, 2)), [durable], catalog, cfg)
@@ -258,7 +258,7 @@ def test_flows_parts_then_completeness(tmp_path, prefect_api, sqlite_catalog_url
     from safepoint.flows.completeness import check_completeness
     from safepoint.flows.ingest import ingest as ingest_flow
     from safepoint.local.snapshot import LocalSnapshot
-    from safepoint.ops.ingest import register
+    from safepoint.ops.steps import register
 
     monkeypatch.setenv("SAFEPOINT_MULTINODE_TIMEOUT_S", "600")
     durable = (tmp_path / "durable").as_uri()

@@ -96,7 +96,7 @@ def test_scrub_flow_rotates_and_finds_rot(tmp_path, prefect_api, sqlite_catalog_
     # Recorded corrupt, then re-replicated from the local copy, which still verifies (reconcile.repair).
     bad = [e["detail"] for e in sqlite_catalog.events(row.id, kind="replica") if e["detail"]["state"] == "corrupt"]
     assert bad and victim in bad[-1]["error"]
-    assert rep.state is RS.VERIFIED and out["repaired"].get("replica_verified") == 1
+    assert rep.state is RS.VERIFIED and out["repair"]["actions"].get("replica_verified") == 1
     assert row.state is CS.VERIFIED  # the local copy still verifies: the checkpoint is not lost
     found = [e["detail"] for e in sqlite_catalog.events(row.id, kind="scrub") if e["detail"].get("problems")]
     assert found[-1]["problems"] == {victim: "hash_mismatch"} and found[-1]["outcome"] == "corrupt"

@@ -1,60 +1,18 @@
 """Catalog commands: lineage, corruption risk, pins, tags, metrics, burst-buffer eviction.
 
-Registered by safepoint.cli through `register(subparsers)`. Also holds the small parsers shared
-with cli.py's resume-point and prune (`parse_time`, `retention_spec`).
+Registered by safepoint.cli.main through `register(subparsers)`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime, timezone
 from typing import Any
 
 from rich.table import Table
 
-from safepoint.cli.main import EXIT_BAD, EXIT_OK, _catalog, err, out
+from safepoint.cli.common import EXIT_BAD, EXIT_OK, _catalog, err, out
 from safepoint.core.errors import UsageError
-
-
-def parse_time(text: str, now: datetime | None = None) -> datetime:
-    """ISO 8601 (naive means UTC), or a duration meaning that long ago ('2h', '3d')."""
-    from safepoint.rules.retention import parse_duration
-
-    now = now or datetime.now(timezone.utc)
-    try:
-        return now - parse_duration(text)
-    except UsageError:
-        pass
-    try:
-        t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise UsageError(f"not a time: {text!r} (ISO 8601, e.g. 2026-11-30T12:00:00Z, or a duration ago: 2h)") \
-            from None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
-
-
-def retention_spec(args: argparse.Namespace, config: Any, run: str) -> dict[str, Any]:
-    """The retention policy spec: command-line flags, else [runs.R] retention, else [retention]."""
-    from safepoint.rules.retention import SPEC_KEYS
-
-    spec: dict[str, Any] = {}
-    for key in ("keep_last", "keep_every", "keep_within", "keep_best"):
-        if getattr(args, key, None) is not None:
-            spec[key] = getattr(args, key)
-    tagged = getattr(args, "keep_tagged", None)
-    if tagged is not None:
-        spec["keep_tagged"] = list(tagged) or True
-    if spec:
-        return spec
-    per_run = config.run_setting(run, "retention")
-    if isinstance(per_run, dict) and per_run:
-        return dict(per_run)
-    default = {k: v for k, v in config.section("retention").items() if k in SPEC_KEYS}
-    if default:
-        return default
-    raise UsageError(f"no retention policy for run {run!r}: give --keep-last/--keep-every/--keep-within/"
-                     "--keep-tagged/--keep-best, or set [retention] or [runs.<run>] retention in config.toml")
 
 
 def _row(cat: Any, run: str, step: int) -> Any:

@@ -18,27 +18,15 @@ import threading
 from pathlib import Path
 
 from safepoint.core.errors import UsageError
-
-EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
-
-
-def _need_server() -> str:
-    url = os.environ.get("PREFECT_API_URL")
-    if not url:
-        from prefect.settings import PREFECT_API_URL
-
-        url = PREFECT_API_URL.value()
-    if not url:
-        raise UsageError("no Prefect server: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api after "
-                         "`prefect server start`); without a server use `safepoint watch` without --emit")
-    return url
+from safepoint.core.exits import EXIT_BAD, EXIT_OK
 
 
 def cmd_serve(args) -> int:
-    from safepoint.cli.main import _catalog, err
+    from safepoint.cli.common import _catalog, err
+    from safepoint.flows.deployments import api_url, build, serve_all
     from safepoint.ops import metrics
 
-    _need_server()
+    api_url()
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(max(1, int(args.poll))))
     cat = _catalog(args)  # migrate before flows start, so schema errors surface plainly
     if args.catalog:
@@ -48,30 +36,28 @@ def cmd_serve(args) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port, cat.url, addr=args.metrics_addr)
         err.print(f"metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics")
-    from prefect import serve
-
-    from safepoint.flows.deployments import build
-
     deployments = build(args.to, node=args.node, name=args.name,
                         scrub_every_s=args.scrub_every or None, scrub_subset=args.scrub_subset,
                         completeness_every_s=args.completeness_every or None)
-    serve(*deployments, limit=args.limit, query_seconds=args.poll, pause_on_shutdown=False,
-          print_starting_message=args.verbose)
+    serve_all(deployments, limit=args.limit, query_seconds=args.poll, pause_on_shutdown=False,
+              print_starting_message=args.verbose)
     return EXIT_OK
 
 
 def cmd_watch(args) -> int:
     if not args.emit:
-        from safepoint.cli.main import cmd_watch as ingest_here
+        from safepoint.cli.common import watch_here as ingest_here
 
         return ingest_here(args)
-    from safepoint.cli.main import _catalog, err
+    from safepoint.cli.common import _catalog, err
     from safepoint.core.config import home, load_config
-    from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, PrefectGateway, Spool
+    from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
     from safepoint.events.watch import EmitWatcher
+    from safepoint.flows.deployments import api_url
+    from safepoint.flows.gateway import PrefectGateway
     from safepoint.ops.leases import this_host
 
-    _need_server()
+    api_url()
     root = Path(args.root)
     if not root.is_dir():
         raise UsageError(f"{root}: not a directory")
@@ -91,7 +77,7 @@ def cmd_watch(args) -> int:
 
 
 def cmd_metrics(args) -> int:
-    from safepoint.cli.main import _catalog
+    from safepoint.cli.common import _catalog
     from safepoint.ops import metrics
 
     print(metrics.render(_catalog(args).url).decode(), end="")
@@ -99,7 +85,7 @@ def cmd_metrics(args) -> int:
 
 
 def cmd_parts(args) -> int:
-    from safepoint.cli.main import _catalog, out
+    from safepoint.cli.common import _catalog, out
     from safepoint.core.config import load_config
     from safepoint.ops import assemble
 

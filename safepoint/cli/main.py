@@ -11,12 +11,22 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from safepoint.cli.common import (
+    EXIT_BAD,
+    EXIT_ERROR,
+    EXIT_OK,
+    _catalog,
+    _ingest_exit,
+    err,
+    out,
+    parse_time,
+    run_ingest_flow,
+    watch_here,
+)
 from safepoint.core.errors import SafepointError, UsageError
 
-EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
 # Modules that add subcommands (see build_parser); absent ones are skipped.
 EXTENSIONS = (
     "safepoint.cli.catalog_cmds",    # lineage, risk, retention policies
@@ -24,15 +34,6 @@ EXTENSIONS = (
     "safepoint.cli.events_cmds",     # serve, watch --emit
     "safepoint.cli.repair_cmds",     # reconcile, scrub
 )
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def _catalog(args):
-    from safepoint.catalog.store import open_catalog
-    from safepoint.core.config import load_config
-
-    return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
 
 
 def _parent(text: str | None) -> tuple[str, int] | None:
@@ -51,18 +52,6 @@ def cmd_commit(args) -> int:
                ranks=args.ranks, node=args.node)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
-
-
-def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
-    from safepoint.flows.ingest import ingest
-
-    return ingest(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
-
-
-def _ingest_exit(state: str) -> int:
-    if state == "verified":
-        return EXIT_OK
-    return EXIT_BAD if state in ("corrupt", "invalid", "incomplete") else EXIT_ERROR
 
 
 def cmd_ingest(args) -> int:
@@ -97,22 +86,6 @@ def cmd_ingest(args) -> int:
     return _ingest_exit(result["state"])
 
 
-def cmd_watch(args) -> int:
-    from safepoint.events.watch import pending_snapshots
-
-    cat = _catalog(args)
-    worst = EXIT_OK
-    while True:
-        for folder in pending_snapshots(Path(args.root), cat):
-            err.print(f"ingesting {folder}")
-            result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
-            out.print(f"{result['run']}/{result['step']}: {result['state']}")
-            worst = max(worst, _ingest_exit(result["state"]))
-        if args.once:
-            return worst
-        time.sleep(args.interval)
-
-
 def _views(args, run=None):
     return _catalog(args).list_checkpoints(run)
 
@@ -140,7 +113,6 @@ def cmd_ls(args) -> int:
 
 
 def cmd_resume_point(args) -> int:
-    from safepoint.cli.catalog_cmds import parse_time
 
     cat = _catalog(args)
     decision = cat.resume_point(args.run, min_replicas=args.min_replicas, max_step=args.max_step,
@@ -178,7 +150,7 @@ def cmd_resume_point(args) -> int:
 def cmd_verify(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
-    from safepoint.ops.ingest import verify_url
+    from safepoint.ops.verify import verify_url
 
     with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
         report, where = verify_url(_catalog(args), args.url, load_config())
@@ -215,12 +187,21 @@ def cmd_validate(args) -> int:
     return EXIT_OK if report.ok else EXIT_BAD
 
 
+def _policy_flags(args) -> dict:
+    """The retention policy given on the command line (empty: none given)."""
+    spec = {k: getattr(args, k) for k in ("keep_last", "keep_every", "keep_within", "keep_best")
+            if getattr(args, k, None) is not None}
+    if getattr(args, "keep_tagged", None) is not None:
+        spec["keep_tagged"] = list(args.keep_tagged) or True
+    return spec
+
+
 def cmd_prune(args) -> int:
     from datetime import datetime, timezone
 
-    from safepoint.cli.catalog_cmds import retention_spec
     from safepoint.core.config import load_config
     from safepoint.ops.prune import prune
+    from safepoint.ops.retention import require_spec
     from safepoint.rules.retention import policy_from_spec
 
     if (args.run is None) == (not args.all_runs):
@@ -228,7 +209,7 @@ def cmd_prune(args) -> int:
     cat, config, now = _catalog(args), load_config(), datetime.now(timezone.utc)
     docs, errors = [], 0
     for run in (cat.runs() if args.all_runs else args.run):
-        policy = policy_from_spec(retention_spec(args, config, run))
+        policy = policy_from_spec(require_spec(run, config, override=_policy_flags(args)))
         res = prune(cat, [run], policy, now=now, min_replicas=args.min_replicas, dry_run=args.dry_run, config=config)
         errors += len(res.errors)
         docs.append({"run": run, "policy": repr(policy), "dry_run": args.dry_run, "plan": res.plan.to_rows(),
@@ -285,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model")
     s.add_argument("--once", action="store_true", help="one pass, then exit")
     s.add_argument("--interval", type=float, default=5.0)
-    s.set_defaults(fn=cmd_watch)
+    s.set_defaults(fn=watch_here)
 
     s = sub.add_parser("ls", help="list checkpoints")
     s.add_argument("--run")

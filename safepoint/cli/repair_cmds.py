@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from safepoint.cli.main import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
+from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
 
 # Findings that need a person: nothing automatic can fix them.
 UNRESOLVED = frozenset({"conflict", "unreadable", "no_good_copy", "checkpoint_corrupt", "replica_corrupt",
@@ -66,49 +66,9 @@ def cmd_reconcile(args) -> int:
     return _exit(report, set())
 
 
-def scrub_pass(catalog: Any, config: Any, *, subset: str = "16", run: str | None = None,
-               repair: bool = True) -> dict[str, Any]:
-    """One scrub pass without Prefect (the scrub flow's logic), then repairs. Returns a summary."""
-    from safepoint.destinations import open_destination
-    from safepoint.ops import ingest as pipeline
-    from safepoint.ops import scrub
-    from safepoint.ops.reconcile import repair as repair_checkpoints
-
-    index, of = scrub.parse_subset(subset)
-    if index is None:
-        index = scrub.next_slice(scrub.last_pass(catalog), of)
-    rows, bad_ids = [], set()
-    for target in scrub.targets(catalog, run):
-        dest = open_destination(target.destination, config.storage_options(target.destination))
-        try:
-            files, error = scrub.slice_plan(dest, target, index, of)
-            rep = scrub.verify_files(dest, target.run, target.step, files) if not error else None
-        finally:
-            dest.close()
-        outcome = "ok"
-        if error or (rep is not None and rep.problems):
-            full, _ = pipeline.verify_url(catalog, target.url, config)  # records it, settles the checkpoint
-            outcome = str(full.outcome)
-            bad_ids.add(target.checkpoint_id)
-        catalog.add_event(scrub.SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
-            "url": target.url, "index": index, "of": of, "files": len(files),
-            "bytes": rep.bytes_checked if rep else 0, "outcome": outcome, "error": error})
-        rows.append({"url": target.url, "files": len(files), "outcome": outcome})
-    summary: dict[str, Any] = {"pass": True, "index": index, "of": of, "replicas": len(rows),
-                               "problems": len(bad_ids)}
-    catalog.add_event(scrub.SCRUB_EVENT, detail=summary)
-    summary["rows"] = rows
-    if repair and bad_ids:
-        summary["repair"] = repair_checkpoints(catalog, bad_ids, config).to_dict()
-    from safepoint.core.states import ReplicaState as RS
-
-    found = {r["url"]: catalog.find_replica(r["url"]) for r in rows if r["outcome"] != "ok"}
-    summary["unrepaired"] = sorted(u for u, f in found.items() if f is None or f[1].state is not RS.VERIFIED)
-    return summary
-
-
 def cmd_scrub(args) -> int:
     from safepoint.core.config import load_config
+    from safepoint.ops.scrub import scrub_pass
 
     catalog = _catalog(args)
     summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)

@@ -72,3 +72,13 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
         validation=doc.get("validation", {}),
         sections={k: v for k, v in doc.items() if isinstance(v, dict)},
     )
+
+
+def fanout_settings(config: Config | None) -> dict[str, Any]:
+    """`[fanout]`, with SAFEPOINT_FANOUT_RUNNER / SAFEPOINT_FANOUT_ADDRESS taking precedence."""
+    sec = dict((config or Config()).section("fanout"))
+    if os.environ.get("SAFEPOINT_FANOUT_RUNNER"):
+        sec["runner"] = os.environ["SAFEPOINT_FANOUT_RUNNER"]
+    if os.environ.get("SAFEPOINT_FANOUT_ADDRESS"):
+        sec["address"] = os.environ["SAFEPOINT_FANOUT_ADDRESS"]
+    return sec

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, check_run, check_step
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, check_run, check_step, digest_bytes
+from safepoint.core.redact import redact_url
 
 
 def join(base: str, *parts: str) -> str:
@@ -38,3 +39,18 @@ def parse_snapshot_url(url: str) -> tuple[str, str, int]:
     if len(parts) != 3 or not parts[2].isdigit():
         raise ValueError(f"{url!r} is not <base>/<run>/<step>")
     return parts[0], check_run(parts[1]), check_step(int(parts[2]))
+
+
+# -- catalog lease names (safepoint.ops.leases) ------------------------------------------------
+
+def ingest_lease(run: str, step: int, url: str, part: str = "all") -> str:
+    """The lease an ingest holds while replicating (run, step), or one part of it, to `url`.
+
+    Keyed by a digest of the redacted URL, so no credential is ever part of a catalog row.
+    """
+    return f"ingest:{run}/{step}/{part}@{digest_bytes(redact_url(url).encode())[:16]}"
+
+
+def uploads_lease_prefix(host: str) -> str:
+    """The slots that bound the uploads one host runs at once (`[limits] uploads_per_host`)."""
+    return f"uploads:{host}"

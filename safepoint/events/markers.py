@@ -21,7 +21,6 @@ arrive as native types, so the payload carries exactly the flow's types: `to` a 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from safepoint.catalog.store import Catalog
 from safepoint.core.format import TMP_PREFIX, digest_bytes
@@ -185,86 +184,15 @@ def ingest_finished(catalog: Catalog, marker: Marker) -> dict[str, Any] | None:
     return None
 
 
-# -- the Prefect side -----------------------------------------------------------------------------
+class Gateway(Protocol):
+    """The few orchestrator calls a watcher makes (safepoint.flows.gateway.PrefectGateway), each bounded
+    in time and raising on failure; tests pass a fake."""
 
-class PrefectGateway:
-    """The few Prefect calls a watcher makes, each bounded in time and raising on failure."""
-
-    def __init__(self, deployment: str = DEFAULT_DEPLOYMENT, timeout_s: float = 10.0):
-        self.deployment = deployment
-        self.timeout_s = timeout_s
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run(asyncio.wait_for(coro, self.timeout_s))
-
-    def warm(self) -> None:
-        """Import the client modules up front, so the first marker is not delayed by imports."""
-        import prefect.client.orchestration  # noqa: F401
-        import prefect.deployments  # noqa: F401
-        import prefect.events.clients  # noqa: F401
-
-    def healthy(self) -> bool:
-        from prefect.client.orchestration import get_client
-
-        async def check() -> bool:
-            async with get_client() as c:
-                return await c.api_healthcheck() is None
-
-        try:
-            return bool(self._run(check()))
-        except Exception:  # noqa: BLE001 - any failure means "not reachable now"
-            return False
-
-    def emit(self, marker: Marker) -> None:
-        """Send the event over a fresh connection; raises when the server does not take it."""
-        from prefect.events import Event
-        from prefect.events.clients import get_events_client
-
-        event = Event(event=EVENT, resource=resource(marker.run, marker.step, marker.node),
-                      payload=marker.payload(), id=uuid.UUID(marker.event_id))
-
-        async def send() -> None:
-            async with get_events_client(reconnection_attempts=1) as c:
-                await c.emit(event)
-
-        self._run(send())
-
-    def runs_for(self, event_ids: set[str], since: float) -> dict[str, list[tuple[str, str]]]:
-        """event_id -> [(flow run id, state type)] of ingest runs created since `since` (epoch)."""
-        from datetime import datetime, timezone
-
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter
-        from prefect.client.schemas.filters import FlowRunFilterExpectedStartTime as Start
-        from prefect.client.schemas.sorting import FlowRunSort
-
-        after = datetime.fromtimestamp(since - 120, tz=timezone.utc)
-
-        async def read() -> list[Any]:
-            async with get_client() as c:
-                return await c.read_flow_runs(
-                    flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
-                    flow_run_filter=FlowRunFilter(expected_start_time=Start(after_=after)),
-                    sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200)
-
-        out: dict[str, list[tuple[str, str]]] = {}
-        for r in self._run(read()):
-            eid = (r.parameters or {}).get("event_id")
-            if eid in event_ids:
-                state = r.state_type.value if r.state_type else "UNKNOWN"
-                out.setdefault(eid, []).append((str(r.id), state))
-        return out
-
-    def dispatch(self, marker: Marker, key: str) -> str:
-        """run_deployment with an idempotency key: the same key never makes two runs."""
-        from prefect.deployments import run_deployment
-
-        async def go() -> str:
-            run = await run_deployment(self.deployment, parameters=marker.parameters(), idempotency_key=key,
-                                       timeout=0)
-            return str(run.id)
-
-        return self._run(go())
+    def warm(self) -> None: ...
+    def healthy(self) -> bool: ...
+    def emit(self, marker: Marker) -> None: ...
+    def runs_for(self, event_ids: set[str], since: float) -> dict[str, list[tuple[str, str]]]: ...
+    def dispatch(self, marker: Marker, key: str) -> str: ...
 
 
 FINISHED_BAD = frozenset({"FAILED", "CRASHED", "CANCELLED", "CANCELLING"})
@@ -281,7 +209,7 @@ class Policy:
 class Dispatcher:
     """Drives spooled markers to DONE. `tick()` never blocks for long and never drops a marker."""
 
-    def __init__(self, catalog: Catalog, spool: Spool, gateway: PrefectGateway, policy: Policy | None = None):
+    def __init__(self, catalog: Catalog, spool: Spool, gateway: Gateway, policy: Policy | None = None):
         self.catalog, self.spool, self.gateway = catalog, spool, gateway
         self.policy = policy or Policy()
 

@@ -37,6 +37,7 @@ from safepoint.destinations.parts import assemble as assemble_parts
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.replicate import Progress, ReplicaResult, replicate
 from safepoint.rules.completeness import Assessment, Completeness, assess
+from safepoint.rules.settle import settle_replication
 
 DEFAULT_TIMEOUT_S = 1800.0
 IN_FLIGHT = (CS.COMMITTED, CS.REPLICATING)
@@ -149,15 +150,13 @@ def try_assemble(catalog: Catalog, checkpoint_id: int, urls: list[str], config: 
 def settle_part(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, results: list[ReplicaResult],
                 urls: list[str], config: Config | None = None) -> Settled:
     """After this node replicated its part: a bad local part spoils the checkpoint; else try to assemble."""
-    local = [r.local_outcome for r in results if r.local]
     key = part_key(snap.manifest.held_ranks)
-    for bad in (CS.CORRUPT, CS.INCOMPLETE):
-        if bad in local:
-            error = next(r.error for r in results if r.local_outcome is bad)
-            catalog.transition(checkpoint_id, bad, expect={CS.REPLICATING}, error=f"part {key}: {error}")
-            return Settled(catalog.get_by_id(checkpoint_id).state, message=error or str(bad))
-    ok = [r.destination for r in results if r.state is RS.VERIFIED]
-    if not ok:
+    settlement = settle_replication(results)
+    if settlement.state in (CS.CORRUPT, CS.INCOMPLETE):
+        catalog.transition(checkpoint_id, settlement.state, expect={CS.REPLICATING},
+                           error=f"part {key}: {settlement.error}")
+        return Settled(catalog.get_by_id(checkpoint_id).state, message=settlement.error or str(settlement.state))
+    if settlement.state is not CS.REPLICATED:
         # Nothing to assemble from this part; the set stays partial and the timeout decides.
         errors = "; ".join(r.error or str(r.state) for r in results) or "no destination"
         return Settled(catalog.get_by_id(checkpoint_id).state, message=f"part {key} not replicated: {errors}")
@@ -246,21 +245,3 @@ def assembled_snapshot(catalog: Catalog, checkpoint_id: int, config: Config | No
     finally:
         dest.close()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def ingest_part(folder: str | Path, destinations: list[str], catalog: Catalog, config: Config | None = None,
-                *, model: str | None = None) -> CS:
-    """One node's part through the whole pipeline without Prefect (the flow runs the same steps)."""
-    from safepoint.ops.ingest import register, validate_checkpoint
-
-    config = config or Config()
-    snap = LocalSnapshot.open(folder)
-    check_part(snap.manifest)
-    row = register(catalog, snap)
-    results = [replicate_part_to(catalog, row.id, snap, url, config) for url in destinations]
-    settled = settle_part(catalog, row.id, snap, results, destinations, config)
-    if settled.won:
-        with assembled_snapshot(catalog, row.id, config) as merged:
-            return validate_checkpoint(catalog, row.id, merged,
-                                       model=model or config.run_setting(snap.manifest.run, "model"))
-    return settled.state

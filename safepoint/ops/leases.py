@@ -21,7 +21,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from safepoint.catalog.store import Catalog
+from safepoint.core.config import Config
 from safepoint.core.errors import SafepointError
+from safepoint.core.format import Manifest
+from safepoint.core.naming import ingest_lease, uploads_lease_prefix
+from safepoint.destinations.parts import is_part, part_key
 
 
 class LeaseBusy(SafepointError):
@@ -103,3 +107,24 @@ def slot(catalog: Catalog, prefix: str, slots: int, *, holder: str | None = None
 def this_host() -> str:
     """The name this host goes by in leases and events: $SAFEPOINT_NODE, else the host name."""
     return os.environ.get("SAFEPOINT_NODE") or socket.gethostname()
+
+
+def limits(config: Config) -> tuple[int, float, float]:
+    """`[limits]`: uploads_per_host (4), lease_ttl_s (60), lease_wait_s (3600)."""
+    sec = config.section("limits")
+    return (int(sec.get("uploads_per_host", 4)), float(sec.get("lease_ttl_s", 60)),
+            float(sec.get("lease_wait_s", 3600)))
+
+
+@contextmanager
+def ingest_leases(catalog: Catalog, manifest: Manifest, url: str, config: Config) -> Iterator[None]:
+    """Never two ingests of one checkpoint (part) into one destination at once; at most N uploads per host.
+
+    Both are catalog leases, so they hold across processes and hosts, with or without a Prefect
+    server, and expire if a holder dies.
+    """
+    part = part_key(manifest.held_ranks) if is_part(manifest) else "all"
+    slots, ttl, wait = limits(config)
+    with held(catalog, ingest_lease(manifest.run, manifest.step, url, part), ttl_s=ttl, wait_s=wait), \
+            slot(catalog, uploads_lease_prefix(this_host()), slots, ttl_s=ttl, wait_s=wait):
+        yield

@@ -11,7 +11,7 @@ module repairs, like `restic check` and `restic prune` do for a repository:
   re-hashing every byte (never by trusting the marker) and recorded as verified or corrupt;
 - a catalog replica marked verified whose marker or objects are gone is **marked missing**, and
   one whose control files are unreadable or bind another manifest is **marked corrupt**; a
-  checkpoint left without any verified copy becomes corrupt (pipeline.settle_copies);
+  checkpoint left without any verified copy becomes corrupt (safepoint.ops.steps.settle_copies);
 - a bad replica of a good checkpoint is **replicated again** from a copy that verifies (the local
   folder, or another replica): the objects that still hash right are reused, the rest re-sent;
 - partial replicas (no marker) and Safepoint's temporary files (`.safepoint-tmp-*`) untouched for
@@ -24,14 +24,16 @@ module repairs, like `restic check` and `restic prune` do for a repository:
 
 A committed replica is never deleted unless retention marked its checkpoint pruned, and a copy is
 never trusted without re-hashing it. `decide` and `plan_checkpoint` are the pure rules; `reconcile`
-observes, decides and acts (or only reports, with dry_run). `quarantine` records a local folder
-whose control files are unusable (hostile or broken) as a corrupt checkpoint.
+observes, decides and acts (or only reports, with dry_run). (`safepoint.ops.steps.quarantine` records a
+local folder whose control files are unusable, hostile or broken, as a corrupt checkpoint.)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -43,7 +45,7 @@ from typing import Any
 
 from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointRow
-from safepoint.core.config import Config
+from safepoint.core.config import Config, home
 from safepoint.core.errors import FormatError, SafepointError
 from safepoint.core.format import (
     MANIFEST_NAME,
@@ -53,16 +55,20 @@ from safepoint.core.format import (
     check_run,
     digest_bytes,
     load_committed,
-    parse_marker,
 )
-from safepoint.core.naming import join
+from safepoint.core.naming import ingest_lease, join
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
 from safepoint.destinations.parts import PARTS_DIR
-from safepoint.local.snapshot import LocalSnapshot, read_small
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.leases import default_holder
+from safepoint.ops.replicate import verify_replica
+from safepoint.ops.steps import replicate_to, settle_copies
+from safepoint.ops.validation import validate_checkpoint
+from safepoint.rules.settle import replica_state
 
 log = logging.getLogger("safepoint.ops.reconcile")
 
@@ -330,16 +336,9 @@ def _observe(dest: Destination, loc: _Location, now: float) -> tuple[Remote, Man
     return Remote(Found.COMMITTED, digest_bytes(manifest_bytes), age, complete, mismatch), manifest
 
 
-def ingest_lease_name(run: str, step: int, url: str, part: str = "all") -> str:
-    """The lease an ingest holds while replicating (run, step) to `url` (tasks/ingest.py: exclusive)."""
-    return f"ingest:{run}/{step}/{part}@{digest_bytes(redact_url(url).encode())[:16]}"
-
-
 @contextmanager
 def _lease(catalog: Catalog, name: str) -> Iterator[bool]:
     """Try the lease once; yield whether we hold it. Reconcile never waits for a live ingest."""
-    from safepoint.ops.leases import default_holder
-
     holder = default_holder()
     got = catalog.acquire_lease(name, holder, 300.0)
     try:
@@ -477,10 +476,8 @@ class Reconciler:
                 self.catalog.set_replica(row.id, url, dest.url, RS.DELETED)
 
     def _verify_and_record(self, dest: Destination, row: CheckpointRow, url: str) -> None:
-        from safepoint.ops.replicate import verify_replica
-
         report = verify_replica(dest, row.run, row.step)
-        state = {CS.VERIFIED: RS.VERIFIED, CS.INCOMPLETE: RS.MISSING}.get(report.outcome, RS.CORRUPT)
+        state = replica_state(report.outcome)
         total = self.catalog.get_by_id(row.id).total_bytes if state is RS.VERIFIED else 0
         self.catalog.set_replica(row.id, url, dest.url, state, bytes=total,
                                  error=None if state is RS.VERIFIED else f"reconcile: {report.summary()}")
@@ -505,7 +502,7 @@ class Reconciler:
                         detail: str) -> None:
         run, step = loc.run, loc.step
         url = dest.snapshot_url(run, step)
-        with _lease(self.catalog, ingest_lease_name(run, step, dest.url)) as got:
+        with _lease(self.catalog, ingest_lease(run, step, dest.url)) as got:
             if not got:
                 self.report.add(Action.KEEP_PARTIAL, run, step, url, "an ingest holds its lease")
                 return
@@ -574,8 +571,6 @@ class Reconciler:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoints(self, destinations: list[str]) -> None:
-        from safepoint.ops.ingest import settle_copies
-
         for row in self._rows():
             if row.state is CS.PRUNED:
                 continue
@@ -616,8 +611,6 @@ class Reconciler:
 
     def _finish(self, row: CheckpointRow) -> None:
         """Bring a checkpoint with a verified replica to `replicated`, then validate a verified copy."""
-        from safepoint.ops.ingest import validate_checkpoint
-
         c = self.catalog
         if row.state is CS.VALIDATING:
             c.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING})
@@ -637,8 +630,6 @@ class Reconciler:
 
     def _repair(self, row: CheckpointRow, bad: list[Any], destinations: list[str]) -> None:
         """Re-replicate each bad replica from a copy that verifies (replicate() reuses good objects)."""
-        from safepoint.ops.ingest import replicate_to
-
         wanted = {d.rstrip("/") for d in destinations}
         for rep in bad:
             if wanted and redact_url(rep.destination).rstrip("/") not in {redact_url(w) for w in wanted}:
@@ -731,11 +722,6 @@ def _open_local(path: str) -> Iterator[LocalSnapshot | None]:
 @contextmanager
 def _download(rep: Any, row: CheckpointRow, config: Config) -> Iterator[LocalSnapshot | None]:
     """A remote replica copied to a temporary folder (removed afterwards)."""
-    import shutil
-    import tempfile
-
-    from safepoint.core.config import home
-
     dest = open_destination(rep.destination, config.storage_options(rep.destination))
     tmp_root = home() / "tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
@@ -829,27 +815,3 @@ def repair(catalog: Catalog, checkpoint_ids: Iterable[int], config: Config | Non
         catalog.add_event("repair", detail={"checkpoints": sorted(set(checkpoint_ids)), "actions": out.actions(),
                                             "errors": len(out.errors)})
     return out
-
-
-def quarantine(catalog: Catalog, folder: str | os.PathLike, error: str) -> CheckpointRow | None:
-    """Record a committed local folder whose control files are unusable as a corrupt checkpoint.
-
-    A marker that binds no valid manifest (missing, hostile, rotten) makes the snapshot corrupt
-    (docs/format.md); recording it stops watchers from retrying it forever and shows it in `ls`.
-    The checkpoint is named by its marker; an unreadable marker names nothing and None is returned.
-    A checkpoint the catalog already has from another folder or a replica keeps its state.
-    """
-    root = Path(folder).resolve()
-    try:
-        marker = parse_marker(read_small(root / MARKER_NAME, 64 * 1024) or b"")
-    except (FormatError, OSError):
-        return None
-    row = catalog.get(marker.run, marker.step)
-    why = f"local snapshot refused: {redact(error)}"
-    if row is None:
-        row = catalog.record_commit(Manifest(marker.run, marker.step, ()), marker.manifest_blake3, str(root))
-    elif row.local_path not in (None, str(root)):
-        catalog.add_event("quarantine", checkpoint_id=row.id, detail={"folder": str(root), "error": why})
-        return row
-    catalog.transition(row.id, CS.CORRUPT, expect={CS.COMMITTED, CS.REPLICATING}, error=why)
-    return catalog.get_by_id(row.id)

@@ -4,26 +4,37 @@ Bit rot on a remote disk is silent until someone reads the bytes. Reading every 
 on every pass is too expensive, so each pass reads one slice `i` of `n` of every replica's files
 (a file's slice is a hash of run, step and path: stable across passes and hosts), and the next pass
 reads slice `i+1`. After `n` passes every byte was read once. A slice that finds a problem is
-followed at once by a full verification through `pipeline.verify_url`, which records the replica
-as corrupt or missing and settles the checkpoint (the last good copy is never dropped).
+followed at once by a full verification through `safepoint.ops.verify.verify_url`, which records
+the replica as corrupt or missing and settles the checkpoint (the last good copy is never dropped);
+then what rot damaged is re-replicated from a copy that still verifies (safepoint.ops.reconcile).
 
-The choice of what to read is pure (`slice_of`, `select`, `next_slice`); reading goes through
-`verify_slice` (destinations) and the scrub flow (flows/scrub.py), which can fan batches out.
+The choice of what to read is pure (`slice_of`, `select`, `next_slice`). `scrub_pass` is the one
+composition: the CLI runs it inline, the scrub flow (flows/scrub.py) with a runner that fans the
+`verify-batch` steps out (threads or Dask).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from safepoint.catalog.store import Catalog
+from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
+from safepoint.core.hashing import hash_path
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.core.verify import FileStatus, VerifyReport, check_file
+from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
+from safepoint.local.snapshot import resolve_inside
+from safepoint.ops.reconcile import repair as repair_checkpoints
+from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.verify import verify_url
+from safepoint.rules.batching import batch_limits, batches
 
 SCRUB_EVENT = "scrub"
 
@@ -120,3 +131,89 @@ def slice_plan(dest: Destination, target: Target, index: int, of: int) -> tuple[
         return select(replica_manifest(dest, target.run, target.step), index, of), None
     except FormatError as e:
         return [], f"{target.url}: {e}"
+
+
+def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
+    """Hash a batch of a replica's files (runs wherever the runner puts it: here, a thread or a Dask worker)."""
+    dest = open_destination(destination, config.storage_options(destination))
+    try:
+        return verify_files(dest, run, step, files)
+    finally:
+        dest.close()
+
+
+def verify_local_batch(root: str, files: list[FileEntry]) -> VerifyReport:
+    """Hash a batch of a local snapshot folder's files."""
+    report = VerifyReport()
+    base = Path(root)
+    for f in files:
+        try:
+            path = resolve_inside(base, f.path)
+        except Exception:  # noqa: BLE001 - FormatError: the path escapes the folder
+            report.files[f.path] = FileStatus.UNSAFE_PATH
+            continue
+        size = path.stat().st_size if path.is_file() else None
+        report.files[f.path] = status = check_file(f, size, lambda p=path: hash_path(p)[1])
+        if status is FileStatus.OK:
+            report.bytes_checked += f.size
+    return report
+
+
+def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str | None = None,
+               repair: bool = True, runner: StepRunner = INLINE) -> dict[str, Any]:
+    """One scrub pass: slice i of n of every verified replica, full verification where it found a
+    problem, then repairs. Records one `scrub` event per replica and one for the pass."""
+    index, of = parse_subset(subset)
+    if index is None:
+        index = next_slice(last_pass(catalog), of)
+    size, count = batch_limits(fanout_settings(config))
+    calls: list[tuple[str, str, int, list[FileEntry], Config]] = []
+    planned: list[tuple[Target, int, list[int]]] = []   # target, files, indexes of its batches in `calls`
+    unusable: list[tuple[Target, str]] = []
+    for target in targets(catalog, run):
+        dest = open_destination(target.destination, config.storage_options(target.destination))
+        try:
+            files, error = slice_plan(dest, target, index, of)
+        finally:
+            dest.close()
+        if error:
+            unusable.append((target, error))
+            continue
+        mine = batches(files, size, count)
+        planned.append((target, len(files), list(range(len(calls), len(calls) + len(mine)))))
+        calls += [(target.destination, target.run, target.step, b, config) for b in mine]
+    answers = runner.map("verify-batch", verify_batch, calls) if calls else []
+    for a in answers:
+        if isinstance(a, BaseException):
+            raise a
+    rows: list[dict[str, Any]] = []
+    damaged: set[int] = set()
+    for target, n, slots in planned:
+        rep = merge_reports([answers[i] for i in slots])  # type: ignore[misc]
+        outcome = "ok"
+        if rep.problems:
+            # A slice found rot: verify the whole replica now, which records it and settles the checkpoint.
+            full, _ = verify_url(catalog, target.url, config)
+            outcome = str(full.outcome)
+            damaged.add(target.checkpoint_id)
+        catalog.add_event(SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
+            "url": target.url, "index": index, "of": of, "files": n, "bytes": rep.bytes_checked,
+            "problems": {p: str(s) for p, s in rep.problems.items()}, "outcome": outcome})
+        rows.append({"url": target.url, "files": n, "bytes": rep.bytes_checked, "outcome": outcome})
+    for target, error in unusable:
+        full, _ = verify_url(catalog, target.url, config)
+        damaged.add(target.checkpoint_id)
+        catalog.add_event(SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
+            "url": target.url, "index": index, "of": of, "files": 0, "bytes": 0, "error": error,
+            "outcome": str(full.outcome)})
+        rows.append({"url": target.url, "files": 0, "bytes": 0, "outcome": f"{full.outcome}: {error}"})
+    summary: dict[str, Any] = {"pass": True, "index": index, "of": of, "replicas": len(rows),
+                               "files": sum(r["files"] for r in rows), "bytes": sum(r["bytes"] for r in rows),
+                               "problems": len(damaged)}
+    catalog.add_event(SCRUB_EVENT, detail=summary)
+    summary["rows"] = rows
+    if repair and damaged:  # re-replicate what rot damaged from a copy that still verifies
+        summary["repair"] = runner.run("repair", repair_checkpoints, catalog, damaged, config).to_dict()
+    found = {r["url"]: catalog.find_replica(r["url"]) for r in rows if r["outcome"] != "ok"}
+    summary["unrepaired"] = sorted(u for u, f in found.items() if f is None or f[1].state is not RS.VERIFIED)
+    return summary

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from safepoint.core.errors import CommitError
+from safepoint.core.exits import EXIT_ERROR
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.local.commit import commit
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import ingest as pipeline
+from safepoint.ops import steps
 from safepoint.ops.reconcile import reconcile
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template
@@ -91,8 +93,8 @@ def test_replication_fsync_eio_at_every_point(tmp_path, template, monkeypatch, s
     files = {f.path for f in snap.manifest.files}
 
     def replicate_once(dest: Path):
-        row = pipeline.register(sqlite_catalog, snap)
-        return row, pipeline.replicate_to(sqlite_catalog, row.id, snap, dest.as_uri())
+        row = steps.register(sqlite_catalog, snap)
+        return row, steps.replicate_to(sqlite_catalog, row.id, snap, dest.as_uri())
 
     n = _count(monkeypatch, lambda: replicate_once(tmp_path / "probe"))
     assert n >= len(files) + 3
@@ -141,5 +143,5 @@ def test_eio_during_ingest_is_a_clean_failure(tmp_path, template, monkeypatch, s
     out = pipeline.ingest(folder, [(tmp_path / "d").as_uri()], sqlite_catalog)
     monkeypatch.undo()
     assert out.state is CS.COMMITTED and "Input/output error" in out.message
-    assert out.exit_code == pipeline.EXIT_ERROR
+    assert out.exit_code == EXIT_ERROR
     assert pipeline.ingest(folder, [(tmp_path / "d").as_uri()], sqlite_catalog).state is CS.VERIFIED

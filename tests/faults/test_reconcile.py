@@ -17,10 +17,12 @@ import pytest
 from safepoint.catalog.store import open_catalog
 from safepoint.cli.main import main
 from safepoint.core.format import MARKER_NAME, TMP_PREFIX
+from safepoint.core.naming import ingest_lease
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.local.commit import commit
 from safepoint.ops import ingest as pipeline
+from safepoint.ops import steps
 from safepoint.ops.reconcile import (
     Action,
     Found,
@@ -28,7 +30,6 @@ from safepoint.ops.reconcile import (
     Remote,
     Settle,
     decide,
-    ingest_lease_name,
     plan_checkpoint,
     reconcile,
 )
@@ -87,30 +88,19 @@ def test_plan_checkpoint(state, age, verified, world, settle):
     assert plan_checkpoint(state, age, verified, G, world) is settle
 
 
-def test_lease_name_is_the_ingest_tasks(monkeypatch, tmp_path, sqlite_catalog):
-    """Reconcile and the Prefect ingest task must agree on the lease, or a live upload is not protected."""
-    from contextlib import contextmanager
-
-    import safepoint.tasks.ingest as ti
+def test_an_ingest_holds_the_lease_reconcile_tries(tmp_path, sqlite_catalog):
+    """Reconcile must see a live upload's lease as taken, or it would remove a partial replica in flight."""
     from safepoint.core.config import Config
     from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.leases import ingest_leases
     from tests.faults.world import make_template
 
-    names = []
-
-    @contextmanager
-    def fake(catalog, name, *args, **kw):
-        names.append(name)
-        yield name
-
-    monkeypatch.setattr(ti.leases, "held", fake)
-    monkeypatch.setattr(ti.leases, "slot", fake)
     folder = make_template(tmp_path / "c")
     commit(folder, "r", 7)
     url = (tmp_path / "d").as_uri()
-    with ti.exclusive(sqlite_catalog, LocalSnapshot.open(folder), url, Config()):
-        pass
-    assert names[0] == ingest_lease_name("r", 7, url)
+    with ingest_leases(sqlite_catalog, LocalSnapshot.open(folder).manifest, url, Config()):
+        assert not sqlite_catalog.acquire_lease(ingest_lease("r", 7, url), "reconciler", 60)
+    assert sqlite_catalog.acquire_lease(ingest_lease("r", 7, url), "reconciler", 60)
 
 
 # -- the crash, and the repair ---------------------------------------------------------------
@@ -200,7 +190,7 @@ def test_stuck_ingest_without_a_replica_is_abandoned_then_redone(tmp_path, templ
     from safepoint.local.snapshot import LocalSnapshot
 
     dest = (tmp_path / "durable").as_uri()
-    row = pipeline.register(sqlite_catalog, LocalSnapshot.open(folder))
+    row = steps.register(sqlite_catalog, LocalSnapshot.open(folder))
     sqlite_catalog.set_replica(row.id, f"{dest}/ab/1", dest, RS.PENDING)
     rep = reconcile(sqlite_catalog, [dest], grace_s=G, now=time.time() + G + 1)
     assert rep.count("abandon_replica") == 1 and rep.count("abandon") == 1, rep.to_dict()
@@ -249,10 +239,10 @@ def test_partial_is_kept_while_an_ingest_holds_its_lease(tmp_path, sqlite_catalo
     (dest_root / "l" / "3").mkdir(parents=True)
     (dest_root / "l" / "3" / "f").write_bytes(b"1")
     dest = dest_root.as_uri()
-    assert sqlite_catalog.acquire_lease(ingest_lease_name("l", 3, dest), "someone", 600)
+    assert sqlite_catalog.acquire_lease(ingest_lease("l", 3, dest), "someone", 600)
     rep = reconcile(sqlite_catalog, [dest], grace_s=0)
     assert rep.count("keep_partial") == 1 and (dest_root / "l" / "3" / "f").exists()
-    sqlite_catalog.release_lease(ingest_lease_name("l", 3, dest), "someone")
+    sqlite_catalog.release_lease(ingest_lease("l", 3, dest), "someone")
     reconcile(sqlite_catalog, [dest], grace_s=0)
     assert not (dest_root / "l" / "3").exists()
 

@@ -1,0 +1,74 @@
+"""What every command module shares: the consoles, the catalog, time parsing, running the ingest flow.
+
+The command modules (main, catalog_cmds, events_cmds, repair_cmds, validation_cmds) import this,
+never each other's internals, so the CLI has no import loop.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+
+from safepoint.core.errors import UsageError
+from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
+
+__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_ingest_flow", "watch_here"]
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _catalog(args):
+    from safepoint.catalog.store import open_catalog
+    from safepoint.core.config import load_config
+
+    return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
+def parse_time(text: str, now: datetime | None = None) -> datetime:
+    """ISO 8601 (naive means UTC), or a duration meaning that long ago ('2h', '3d')."""
+    from safepoint.rules.retention import parse_duration
+
+    now = now or datetime.now(timezone.utc)
+    try:
+        return now - parse_duration(text)
+    except UsageError:
+        pass
+    try:
+        t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(f"not a time: {text!r} (ISO 8601, e.g. 2026-11-30T12:00:00Z, or a duration ago: 2h)") \
+            from None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
+    from safepoint.flows.ingest import ingest
+
+    return ingest(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
+
+
+def _ingest_exit(state: str) -> int:
+    if state == "verified":
+        return EXIT_OK
+    return EXIT_BAD if state in ("corrupt", "invalid", "incomplete") else EXIT_ERROR
+
+
+def watch_here(args) -> int:
+    """`safepoint watch` without --emit: ingest each committed snapshot under ROOT in this process."""
+    from safepoint.events.watch import pending_snapshots
+
+    cat = _catalog(args)
+    worst = EXIT_OK
+    while True:
+        for folder in pending_snapshots(Path(args.root), cat):
+            err.print(f"ingesting {folder}")
+            result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+            out.print(f"{result['run']}/{result['step']}: {result['state']}")
+            worst = max(worst, _ingest_exit(result["state"]))
+        if args.once:
+            return worst
+        time.sleep(args.interval)

@@ -1,0 +1,170 @@
+"""The steps every operation is built from, each recording its outcome in the catalog.
+
+`register`, `replicate_to`, `settle`, `settle_copies`, `quarantine` and `outcome` are what ingest
+(safepoint.ops.ingest), multi-node assembly (safepoint.ops.assemble), verify, reconcile and scrub
+compose; the validation step is safepoint.ops.validation (it alone pulls in torch). Each is
+written once, here, and knows nothing of Prefect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from safepoint.catalog.store import Catalog
+from safepoint.catalog.views import CheckpointRow
+from safepoint.core.config import Config
+from safepoint.core.errors import CatalogError, FormatError, SafepointError
+from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
+from safepoint.core.format import MARKER_NAME, Manifest, digest_bytes, parse_marker
+from safepoint.core.redact import redact, redact_url
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.core.verify import FileStatus
+from safepoint.destinations import open_destination
+from safepoint.local.snapshot import LocalSnapshot, read_small
+from safepoint.ops.replicate import Progress, ReplicaResult, replicate
+from safepoint.rules.settle import settle_replication
+
+log = logging.getLogger("safepoint")
+
+
+@dataclass
+class IngestOutcome:
+    run: str
+    step: int
+    state: CS
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        if self.state is CS.VERIFIED:
+            return EXIT_OK
+        if self.state in (CS.CORRUPT, CS.INVALID, CS.INCOMPLETE):
+            return EXIT_BAD
+        return EXIT_ERROR
+
+
+def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
+    """Record the commit (idempotent) and move the checkpoint to `replicating`."""
+    row = catalog.record_commit(snap.manifest, digest_bytes(snap.manifest_bytes), str(snap.root))
+    if row.state is CS.PRUNED:
+        raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
+    # A validation that a crash interrupted leaves `validating`, from which there is no way back to
+    # `replicating`: step back through `replicated` so that the re-ingest takes the work over.
+    catalog.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING}, detail={"why": "re-ingest"})
+    catalog.transition(row.id, CS.REPLICATING)
+    row = catalog.get_by_id(row.id)
+    if row.state is CS.PRUNED:  # retention marked it between record_commit and the transition
+        raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
+    return row
+
+
+def replicate_to(
+    catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str, config: Config | None = None,
+    *, attempts: int = 2, progress: Progress | None = None,
+) -> ReplicaResult:
+    """Replicate to one destination and record the replica. A replica that reads back wrong is re-sent once."""
+    config = config or Config()
+    dest = open_destination(url, config.storage_options(url))
+    try:
+        snap_url = dest.snapshot_url(snap.manifest.run, snap.manifest.step)
+        catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
+        for _ in range(max(1, attempts)):
+            try:
+                result = replicate(snap, dest, progress=progress)
+            except (OSError, SafepointError) as e:
+                # Disk full, EIO, a network that gave up: never leave the replica `pending`. The
+                # caller (a Prefect retry, the next ingest) sends it again; nothing is trusted.
+                catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.FAILED, error=_why(e))
+                raise
+            if result.state is not RS.CORRUPT:
+                break
+            # Remove what read back wrong so the next attempt uploads it again.
+            dest.delete_files(snap.manifest.run, snap.manifest.step,
+                              [p for p, s in result.remote.items() if s is not FileStatus.OK])
+        catalog.set_replica(
+            checkpoint_id, result.url, result.destination, result.state,
+            bytes=snap.manifest.total_bytes if result.state is RS.VERIFIED else 0, error=result.error,
+        )
+        return result
+    finally:
+        dest.close()
+
+
+def _why(e: BaseException) -> str:
+    return redact(e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def settle(catalog: Catalog, checkpoint_id: int, results: list[ReplicaResult]) -> CS:
+    """Apply the pure settlement rule (safepoint.rules.settle) in one guarded transition."""
+    s = settle_replication(results)
+    catalog.transition(checkpoint_id, s.state, expect={CS.REPLICATING}, error=s.error)
+    return s.state
+
+
+def replicate_or_fail(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
+                      config: Config) -> ReplicaResult:
+    """replicate_to, with an I/O failure as a failed result (already recorded) instead of an exception."""
+    try:
+        return replicate_to(catalog, checkpoint_id, snap, url, config)
+    except (OSError, SafepointError) as e:
+        return failed_result(url, e)
+
+
+def failed_result(url: str, e: BaseException) -> ReplicaResult:
+    return ReplicaResult(url=url, destination=redact_url(url), state=RS.FAILED,
+                         error=f"{redact_url(url)}: {_why(e)}")
+
+
+def outcome(catalog: Catalog, checkpoint_id: int, message: str = "") -> IngestOutcome:
+    row = catalog.get_by_id(checkpoint_id)
+    reps = [{"url": r.url, "state": str(r.state), "error": r.error} for r in catalog.replicas(checkpoint_id)]
+    return IngestOutcome(row.run, row.step, row.state, reps, message or (row.error or ""))
+
+
+def settle_copies(catalog: Catalog, checkpoint_id: int) -> CS:
+    """A verified checkpoint with no verified copy left (no good replica, no good local copy) is corrupt."""
+    row = catalog.get_by_id(checkpoint_id)
+    if row.state is not CS.VERIFIED:
+        return row.state
+    if any(r.state is RS.VERIFIED for r in catalog.replicas(checkpoint_id)):
+        return row.state
+    local_ok = False
+    if row.local_path and (Path(row.local_path) / MARKER_NAME).exists():
+        try:
+            local_ok = LocalSnapshot.open(row.local_path).verify().outcome is CS.VERIFIED
+        except FormatError:
+            local_ok = False
+    if not local_ok:
+        catalog.transition(checkpoint_id, CS.CORRUPT, expect={CS.VERIFIED}, error="no verified copy left")
+        return CS.CORRUPT
+    return row.state
+
+
+def quarantine(catalog: Catalog, folder: str | os.PathLike, error: str) -> CheckpointRow | None:
+    """Record a committed local folder whose control files are unusable as a corrupt checkpoint.
+
+    A marker that binds no valid manifest (missing, hostile, rotten) makes the snapshot corrupt
+    (docs/format.md); recording it stops watchers from retrying it forever and shows it in `ls`.
+    The checkpoint is named by its marker; an unreadable marker names nothing and None is returned.
+    A checkpoint the catalog already has from another folder or a replica keeps its state.
+    """
+    root = Path(folder).resolve()
+    try:
+        marker = parse_marker(read_small(root / MARKER_NAME, 64 * 1024) or b"")
+    except (FormatError, OSError):
+        return None
+    row = catalog.get(marker.run, marker.step)
+    why = f"local snapshot refused: {redact(error)}"
+    if row is None:
+        row = catalog.record_commit(Manifest(marker.run, marker.step, ()), marker.manifest_blake3, str(root))
+    elif row.local_path not in (None, str(root)):
+        catalog.add_event("quarantine", checkpoint_id=row.id, detail={"folder": str(root), "error": why})
+        return row
+    catalog.transition(row.id, CS.CORRUPT, expect={CS.COMMITTED, CS.REPLICATING}, error=why)
+    return catalog.get_by_id(row.id)

@@ -1,0 +1,73 @@
+"""Verify, written once: re-hash a replica or a local snapshot against its manifest, record what was found.
+
+Lean on purpose: it imports neither torch nor Prefect, so `safepoint verify` starts fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safepoint.catalog.store import Catalog
+from safepoint.catalog.views import CheckpointRow
+from safepoint.core.config import Config
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME
+from safepoint.core.naming import parse_snapshot_url
+from safepoint.core.redact import redact
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.core.verify import VerifyReport
+from safepoint.destinations import open_destination
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.progress import CountingDestination, hook
+from safepoint.ops.replicate import verify_replica
+from safepoint.ops.steps import settle_copies
+from safepoint.rules.settle import replica_state
+
+
+def _as_url(target: str) -> str:
+    if "://" in target:
+        return target.rstrip("/")
+    return "file://" + str(Path(target).resolve())
+
+
+def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> tuple[VerifyReport, str]:
+    """Re-hash a replica URL or a local snapshot folder, record what was found, and return the report."""
+    config = config or Config()
+    url = _as_url(target)
+    found = catalog.find_replica(url)
+    local = Path(url[len("file://"):]) if url.startswith("file://") else None
+    if found is None and local is not None and (local / MARKER_NAME).exists():
+        try:
+            report = LocalSnapshot.open(local).verify()
+        except FormatError as e:
+            report = VerifyReport(error=str(e))
+        row = catalog.find_by_local_path(str(local))
+        if row is not None:
+            _record_local_verify(catalog, row, report)
+        return report, str(local)
+    base, run, step = parse_snapshot_url(url)
+    dest = open_destination(base, config.storage_options(base))
+    counted = CountingDestination(dest, hook()) if hook() else dest  # feeds the CLI's progress bar
+    try:
+        snap_url = dest.snapshot_url(run, step)
+        if dest.read_control(run, step, MARKER_NAME) is None:
+            report = VerifyReport(error=f"{snap_url}: no COMMITTED marker (replica missing or partial)")
+            state = RS.MISSING
+        else:
+            report = verify_replica(counted, run, step)  # type: ignore[arg-type]
+            state = replica_state(report.outcome)
+    finally:
+        dest.close()
+    if found:
+        row, _rep = found
+        catalog.set_replica(row.id, snap_url, dest.url, state, error=None if state is RS.VERIFIED else report.summary())
+        settle_copies(catalog, row.id)
+    return report, snap_url
+
+
+def _record_local_verify(catalog: Catalog, row: CheckpointRow, report: VerifyReport) -> None:
+    catalog.add_event(checkpoint_id=row.id, kind="verify.local", detail={"outcome": str(report.outcome),
+                                                                           "summary": redact(report.summary())})
+    if report.outcome is not CS.VERIFIED and row.state in (CS.COMMITTED, CS.REPLICATING):
+        catalog.transition(row.id, report.outcome, error=report.summary())
