@@ -13,9 +13,8 @@ from typing import Any
 
 from rich.table import Table
 
+from safepoint.core.exits import EXIT_BAD, EXIT_OK
 from safepoint.validation.report import finding_rows, tensor_rows
-
-EXIT_OK, EXIT_BAD = 0, 1
 
 
 def register(subparsers: Any) -> None:

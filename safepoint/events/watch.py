@@ -20,6 +20,7 @@ from safepoint.core.format import MARKER_NAME
 from safepoint.core.states import CheckpointState as CS
 from safepoint.events.markers import Dispatcher, Marker, ingest_finished
 from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.assemble import apply_timeouts
 
 DONE = frozenset({CS.VERIFIED, CS.CORRUPT, CS.INVALID, CS.INCOMPLETE, CS.PRUNED})
 
@@ -139,8 +140,6 @@ class EmitWatcher:
             self.say(f"ingested {m.run}/{m.step} ({m.node})")
         if self.timeouts_every is not None and now - self._last_timeouts >= self.timeouts_every:
             self._last_timeouts = now
-            from safepoint.ops.assemble import apply_timeouts
-
             for a in apply_timeouts(self.catalog, self.config, assemble=False):
                 self.say(f"{a.run}/{a.step}: {a.state}: {a.assessment.summary()}")
         return done

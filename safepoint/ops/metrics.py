@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from safepoint.catalog.store import open_catalog
 from safepoint.core.states import CheckpointState as CS
 
 LAG_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600, 7200)
@@ -95,8 +96,6 @@ class CatalogCollector(Collector):
         self.catalog_url = catalog_url
 
     def collect(self) -> Iterator[Any]:
-        from safepoint.catalog.store import open_catalog
-
         catalog = open_catalog(self.catalog_url)
         views = catalog.list_checkpoints()
         by_state = GaugeMetricFamily("safepoint_checkpoints", "Checkpoints by state", labels=["state"])

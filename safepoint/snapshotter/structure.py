@@ -30,6 +30,7 @@ import torch
 
 from safepoint.core.errors import FormatError
 from safepoint.snapshotter.errors import UnsupportedState
+from safepoint.snapshotter.layout import st_dtype
 
 STRUCTURE_VERSION = 1
 MAX_DEPTH = 200
@@ -87,7 +88,6 @@ def flatten(state: Any, *, max_depth: int = MAX_DEPTH) -> Flattened:
             raise UnsupportedState(f"{_path_str(path)}: tensors with layout {local.layout} are not supported")
         if local.is_quantized or local.device.type == "meta":
             raise UnsupportedState(f"{_path_str(path)}: quantized and meta tensors are not supported")
-        from safepoint.snapshotter.layout import st_dtype
 
         st_dtype(local.dtype, _path_str(path))  # refuse unsupported dtypes now, with the path
         name = unique(path)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from safepoint.core.states import CheckpointState
 from safepoint.validation.loaders.base import Limits, LoadedTensor, TensorSource
 
 __all__ = [
@@ -233,7 +234,6 @@ def norm_jumps(current: Iterable[TensorStat], baseline: Baseline, thresholds: Th
 
 def baseline_from_catalog(catalog: Any, run: str, step: int) -> Baseline | None:
     """The stats of the newest verified checkpoint of `run` before `step` (its latest validation)."""
-    from safepoint.core.states import CheckpointState
 
     earlier = [c for c in catalog.list_checkpoints(run, states=[CheckpointState.VERIFIED]) if c.step < step]
     if not earlier:
