@@ -15,6 +15,7 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.flows import fanout
 from safepoint.ops.ingest import ingest
+from safepoint.rules.batching import batches
 
 
 def files(*sizes: int) -> list[FileEntry]:
@@ -29,7 +30,7 @@ def files(*sizes: int) -> list[FileEntry]:
     ((100, 1, 1), 10, 10, None),           # a file larger than a batch still gets scheduled
 ])
 def test_batches_table(sizes, batch_bytes, batch_files, expected):
-    out = fanout.batches(files(*sizes), batch_bytes, batch_files)
+    out = batches(files(*sizes), batch_bytes, batch_files)
     if expected is not None:
         assert sorted(len(b) for b in out) == sorted(expected)
     assert sorted(f.path for b in out for f in b) == [f.path for f in files(*sizes)]
@@ -39,10 +40,10 @@ def test_batches_table(sizes, batch_bytes, batch_files, expected):
 @settings(max_examples=200, deadline=None)
 def test_batches_properties(sizes, batch_bytes, batch_files):
     fs = files(*sizes)
-    out = fanout.batches(fs, batch_bytes, batch_files)
+    out = batches(fs, batch_bytes, batch_files)
     assert sorted(f.path for b in out for f in b) == [f.path for f in fs]       # a partition
     assert all(b for b in out) and all(len(b) <= batch_files for b in out)
-    assert out == fanout.batches(list(reversed(fs)), batch_bytes, batch_files)  # deterministic
+    assert out == batches(list(reversed(fs)), batch_bytes, batch_files)  # deterministic
     total = sum(sizes)
     if fs:
         assert len(out) <= min(len(fs), max(1, -(-total // batch_bytes), -(-len(fs) // batch_files)))

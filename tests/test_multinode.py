@@ -250,7 +250,9 @@ def test_reserved_prefix_is_refused(tmp_path, catalog, cfg):
     commit(folder, "mn", 1, world_size=2, ranks=[0], node="n0")
     with pytest.raises(FormatError, match="must not lie under"):
         ingest(folder, [(tmp_path / "d").as_uri()], catalog, cfg)
-    assert catalog.get("mn", 1) is None
+    # refused like any broken folder, inline as through the flow: corrupt, so watchers stop retrying it
+    assert catalog.get("mn", 1).state is CS.CORRUPT
+    assert not (tmp_path / "d" / "mn").exists()
 
 
 def test_flows_parts_then_completeness(tmp_path, prefect_api, sqlite_catalog_url, sqlite_catalog, monkeypatch):

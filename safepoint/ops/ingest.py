@@ -65,6 +65,8 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     snapshot = str(folder)
     try:
         snap = runner.run("open-snapshot", LocalSnapshot.open, folder)
+        if is_part(snap.manifest):
+            check_part(snap.manifest)  # a part that breaks the layout rules is refused like a broken folder
     except FormatError as e:
         log.error("not ingesting %s: %s", snapshot, e)
         row = runner.run("quarantine", steps.quarantine, catalog, folder, str(e))  # corrupt: watchers stop
@@ -73,8 +75,6 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
                                           "step": row.step, "state": str(row.state), "error": redact(str(e))})
         raise
     m = snap.manifest
-    if is_part(m):
-        check_part(m)  # a part that breaks the layout rules is refused before the catalog hears of it
     if skip_if_verified and already_done(catalog, snap, to):
         row = catalog.get(m.run, m.step)
         log.info("%s/%s is already verified; nothing to do", row.run, row.step)

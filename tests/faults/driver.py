@@ -26,6 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from safepoint.ops.runner import Inline
+
 TRACED_OS = ("fsync", "replace", "rename", "link", "unlink", "rmdir")
 
 
@@ -78,19 +80,24 @@ class Phases:
                 f.write(name + "\n")
 
 
-def _traced_pipeline(phase: Phases) -> None:
-    """Make the pipeline's steps announce themselves (pipeline.ingest calls them by module name)."""
-    from safepoint.ops import ingest as pipeline
+class Traced(Inline):
+    """The inline step runner, announcing each ingest step before it runs (what the kill points key on)."""
 
-    for name, label in (("register", "register"), ("replicate_to", "replicate"),
-                        ("settle_replication", "settle"), ("validate_checkpoint", "validate")):
-        real = getattr(pipeline, name)
+    LABELS = {"register": "register", "replicate": "replicate", "settle-replication": "settle",
+              "settle-part": "settle", "validate": "validate"}
 
-        def step(*args: Any, _real: Any = real, _label: str = label, **kwargs: Any) -> Any:
-            phase(_label)
-            return _real(*args, **kwargs)
+    def __init__(self, phase: Phases):
+        self.phase = phase
 
-        setattr(pipeline, name, step)
+    def run(self, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if name in self.LABELS:
+            self.phase(self.LABELS[name])
+        return super().run(name, fn, *args, **kwargs)
+
+    def map(self, name: str, fn: Any, calls: Any, /) -> list[Any]:
+        if name in self.LABELS:
+            self.phase(self.LABELS[name])
+        return super().map(name, fn, calls)
 
 
 # -- operations ----------------------------------------------------------------------------------
@@ -107,8 +114,7 @@ def op_lifecycle(*, folder: str, run: str, step: int, dest: str, catalog_url: st
     phase("commit")
     commit(folder, run, step)
     catalog = open_catalog(catalog_url)
-    _traced_pipeline(phase)
-    out = pipeline.ingest(folder, [dest], catalog)
+    out = pipeline.ingest(folder, [dest], catalog, runner=Traced(phase))
     phase("prune")
     res = prune(catalog, [run], KeepLastN(keep_last), now=datetime.now(timezone.utc))
     phase("done")
@@ -120,8 +126,8 @@ def op_ingest(*, folder: str, dest: list[str] | str, catalog_url: str, phase: Ph
     from safepoint.catalog.store import open_catalog
     from safepoint.ops import ingest as pipeline
 
-    _traced_pipeline(phase)
-    out = pipeline.ingest(folder, [dest] if isinstance(dest, str) else dest, open_catalog(catalog_url))
+    out = pipeline.ingest(folder, [dest] if isinstance(dest, str) else dest, open_catalog(catalog_url),
+                          runner=Traced(phase))
     return {"state": str(out.state), "message": out.message, "replicas": out.replicas}
 
 
