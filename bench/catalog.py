@@ -11,7 +11,7 @@ verified ones, a few corrupt/invalid, a few verified with a corrupt replica, and
 still validating (even runs) or verified with a corrupt replica (odd runs), so resume-point has
 to pass over at least one checkpoint. Then, on random runs:
 
-  * resume-point: Catalog.resume_point(run), the paging query that feeds the pure decision only
+  * resume-point: find_resume_point(catalog, run), the paging query that feeds the pure decision only
     the rows it needs (uq_checkpoints_run_id_step backwards, then replicas by
     uq_replicas_checkpoint_id_url), against its peer in the same run: the pure decision over the
     whole run as list_checkpoints returns it;
@@ -42,6 +42,7 @@ import sqlalchemy as sa  # noqa: E402
 
 from safepoint.catalog import db  # noqa: E402
 from safepoint.catalog.store import Catalog  # noqa: E402
+from safepoint.ops.resume import find_resume_point  # noqa: E402
 from safepoint.rules import retention  # noqa: E402
 from safepoint.rules.resume import resume_point  # noqa: E402
 
@@ -202,12 +203,12 @@ def bench_backend(name: str, url: str, args: argparse.Namespace) -> dict[str, An
         rnd = random.Random(11)
         runs = [f"run-{rnd.randrange(args.runs):04d}" for _ in range(args.queries)]
         for run in runs[:10]:  # warm the pool and caches
-            cat.resume_point(run)
+            find_resume_point(cat, run)
         samples, chosen = [], 0
         load_before, cpu0 = os.getloadavg()[0], time.process_time()
         for run in runs:
             t = time.perf_counter()
-            d = cat.resume_point(run)
+            d = find_resume_point(cat, run)
             samples.append(time.perf_counter() - t)
             chosen += d.chosen is not None
         client_cpu_ms = (time.process_time() - cpu0) / len(runs) * 1000
@@ -216,7 +217,7 @@ def bench_backend(name: str, url: str, args: argparse.Namespace) -> dict[str, An
             t = time.perf_counter()
             d = resume_point(cat.list_checkpoints(run))
             peer.append(time.perf_counter() - t)
-            agree += d.chosen.id == cat.resume_point(run).chosen.id
+            agree += d.chosen.id == find_resume_point(cat, run).chosen.id
         policy = retention.AnyOf(retention.KeepLastN(3), retention.KeepEveryNSteps(10_000))
         load, planning, deletions = [], [], 0
         for run in runs[: args.peer_queries]:

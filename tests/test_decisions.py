@@ -14,7 +14,8 @@ from safepoint.cli.main import main
 from safepoint.core.format import FileEntry, build_manifest, digest_bytes
 from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
-from safepoint.rules.resume import PENDING, is_good, resume_point
+from safepoint.ops.resume import find_resume_point
+from safepoint.rules.resume import PENDING, is_good, resume_point, resume_point_paged
 from tests.helpers_catalog import durable, seed, view
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -152,11 +153,11 @@ def test_catalog_resume_point_equals_pure_function(catalog):
              {"max_step": 300, "tag": "keep", "min_replicas": 1}]
     for r in rules:
         for page in (1, 3, 8):
-            got = catalog.resume_point("pg", page=page, **r)
+            got = find_resume_point(catalog, "pg", page=page, **r)
             want = resume_point(everything, **r)
             assert (got.chosen.id if got.chosen else None) == (want.chosen.id if want.chosen else None), (r, page)
             assert [(c.id, w) for c, w in got.passed_over] == [(c.id, w) for c, w in want.passed_over], (r, page)
-    assert catalog.resume_point("nobody").chosen is None
+    assert find_resume_point(catalog, "nobody").chosen is None
 
 
 def test_candidates_for_resume_pages_newest_first(catalog):
@@ -208,3 +209,37 @@ def test_cli_resume_point_rules(catalog, catalog_url, tmp_path, capsys):
     assert sp("--catalog", catalog_url, "resume-point", "--run", "ghost") == 1
     assert "no checkpoints recorded" in capsys.readouterr().err
     assert sp("--catalog", catalog_url, "resume-point", "--run", "r", "--before", "yesterday-ish") == 2
+
+
+
+PAGED = [
+    # (name, history, rules, first page size, expected fetch_page calls (below_step, limit))
+    ("newest wins: one page", [(s, V, (OK,)) for s in range(1, 11)], {}, 8, [(None, 8)]),
+    ("pages grow until the winner", [(1, V, (OK,))] + [(s, C.CORRUPT, ()) for s in range(2, 12)], {}, 2,
+     [(None, 2), (10, 8), (2, 32)]),
+    ("a short page ends the run", [(s, C.CORRUPT, ()) for s in range(1, 6)], {}, 2, [(None, 2), (4, 8)]),
+    ("empty run", [], {}, 8, [(None, 8)]),
+    ("scope is the fetcher's", [(s, V, (OK,)) for s in range(1, 11)], {"max_step": 5}, 1, [(None, 1)]),
+    ("too few replicas everywhere", [(s, V, (OK,)) for s in range(1, 4)], {"min_replicas": 2}, 1,
+     [(None, 1), (3, 4)]),
+]
+
+
+@pytest.mark.parametrize("name,rows,rules,page,calls", PAGED, ids=[c[0] for c in PAGED])
+def test_resume_point_paged_reads_only_the_pages_it_needs(name, rows, rules, page, calls):
+    cks = hist(*rows)
+    seen_calls = []
+
+    def fetch_page(below_step, limit):
+        seen_calls.append((below_step, limit))
+        scope = [c for c in sorted(cks, key=lambda c: c.step, reverse=True)
+                 if (below_step is None or c.step < below_step) and c.step <= rules.get("max_step", c.step)]
+        return scope[:limit]
+
+    assert resume_point_paged(fetch_page, page=page, **rules) == resume_point(cks, **rules)
+    assert seen_calls == calls
+
+
+def test_resume_point_paged_refuses_an_empty_page():
+    with pytest.raises(ValueError):
+        resume_point_paged(lambda below_step, limit: [], page=0)

@@ -13,6 +13,7 @@ from safepoint.core.format import MARKER_NAME
 from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
 from safepoint.ops.evict import Usage, evict, plan_eviction
+from safepoint.ops.resume import find_resume_point
 from tests.helpers_catalog import local_folder, seed
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -82,7 +83,7 @@ def test_evict_real_folders(catalog, catalog_url, tmp_path, capsys):
     kinds = [e["kind"] for e in catalog.events(rows[1].id)]
     assert kinds[-2:] == ["evict", "evicted"]
     # The replica is untouched and still the resume point's source.
-    assert catalog.resume_point("e").chosen.step == 6
+    assert find_resume_point(catalog, "e").chosen.step == 6
 
     capsys.readouterr()
     assert main(["--catalog", catalog_url, "evict", str(root), "--capacity", "100", "--high-water", "0.5",

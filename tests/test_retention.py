@@ -19,6 +19,7 @@ from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
 from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
 from safepoint.ops.prune import execute, execute_plan
+from safepoint.ops.resume import find_resume_point
 from safepoint.rules import retention as rt
 from safepoint.rules.resume import PENDING, is_good
 from tests.helpers_catalog import durable, local_folder, seed, view
@@ -257,7 +258,7 @@ def test_interrupted_deletion_is_finished_next_time(catalog, tmp_path, monkeypat
     replica = tmp_path / "durable0" / "i" / "1"
     assert not (replica / MARKER_NAME).exists() and (replica / "weights.bin").exists()  # partial, never committed
     # Nothing resumes from it meanwhile, and a late scrub cannot revive the replica.
-    assert catalog.resume_point("i").chosen.step == 3
+    assert find_resume_point(catalog, "i").chosen.step == 3
     assert catalog.set_replica(one.id, f"{durable(tmp_path)}/i/1", durable(tmp_path), R.VERIFIED) is False
     monkeypatch.setattr(FsspecDestination, "delete_files", real)
     res = execute_plan(catalog, rt.plan(catalog.list_checkpoints("i"), rt.KeepLastN(1), NOW))
@@ -371,4 +372,4 @@ def test_retention_flow_prunes_and_evicts(prefect_api, sqlite_catalog_url, tmp_p
     ev = out["eviction"][0]
     assert ev["evicted"] == [str(local_folder(tmp_path, "f", 3).resolve())]
     assert cat.get("f", 3).local_path is None and cat.get("f", 4).local_path is not None
-    assert cat.resume_point("f").chosen.step == 4
+    assert find_resume_point(cat, "f").chosen.step == 4

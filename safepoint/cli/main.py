@@ -113,10 +113,11 @@ def cmd_ls(args) -> int:
 
 
 def cmd_resume_point(args) -> int:
+    from safepoint.ops.resume import find_resume_point
 
     cat = _catalog(args)
-    decision = cat.resume_point(args.run, min_replicas=args.min_replicas, max_step=args.max_step,
-                                before=parse_time(args.before) if args.before else None, tag=args.tag)
+    decision = find_resume_point(cat, args.run, min_replicas=args.min_replicas, max_step=args.max_step,
+                                 before=parse_time(args.before) if args.before else None, tag=args.tag)
     passed = [{"step": c.step, "state": str(c.state), "reason": why} for c, why in decision.passed_over]
     if args.explain:
         if decision.scope:

@@ -7,7 +7,7 @@ which builds on `is_good` and `PENDING` here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -98,3 +98,37 @@ def resume_point(
             return ResumeDecision(c, tuple(passed), tuple(scope))
         passed.append((c, why))
     return ResumeDecision(None, tuple(passed), tuple(scope))
+
+
+#: fetch_page(below_step, limit): up to `limit` candidates in scope with step < below_step (None: no
+#: bound), newest first; e.g. Catalog.resume_pages.
+FetchPage = Callable[[int | None, int], Sequence[Any]]
+
+
+def resume_point_paged(
+    fetch_page: FetchPage,
+    *,
+    min_replicas: int = 1,
+    max_step: int | None = None,
+    before: datetime | None = None,
+    tag: str | None = None,
+    page: int = 8,
+) -> ResumeDecision:
+    """`resume_point` over only the rows it needs, fetched newest first in growing pages.
+
+    Pages of 8, 32, 128, ... (at most 4096) rows until the decision has a winner: the rows seen are
+    then exactly the winner and every newer candidate, so the decision (and its explanation) is the
+    one `resume_point` gives on the whole run. A short page means there is nothing older. For the
+    same answer as on the whole run, every page must come from one snapshot of the run.
+    """
+    if page < 1:
+        raise ValueError("page must be >= 1")
+    seen: list[Any] = []
+    below: int | None = None
+    while True:
+        batch = list(fetch_page(below, page))
+        seen.extend(batch)
+        decision = resume_point(seen, min_replicas=min_replicas, max_step=max_step, before=before, tag=tag)
+        if decision.chosen is not None or len(batch) < page:
+            return decision
+        below, page = batch[-1].step, min(page * 4, 4096)

@@ -23,6 +23,7 @@ from safepoint.local.commit import commit
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import ingest as pipeline
 from safepoint.ops.prune import prune
+from safepoint.ops.resume import find_resume_point
 from safepoint.rules.retention import KeepLastN
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template, flip_byte
@@ -58,13 +59,13 @@ def test_local_rot_is_detected_and_never_used_as_a_source(tmp_path, template, sq
     assert row.state is CS.VERIFIED     # its replica is intact: still safe to resume from
     assert [e for e in sqlite_catalog.events(row.id) if e["kind"] == "verify.local"][-1]["detail"]["outcome"] \
         == "corrupt"
-    assert sqlite_catalog.resume_point("rot").chosen.step == 2
+    assert find_resume_point(sqlite_catalog, "rot").chosen.step == 2
     # Rot the replica too: the repair must not copy the rotten local bytes over it.
     flip_byte(tmp_path / "a" / "rot" / "2" / "shards" / "part-1.safetensors")
     assert sp("--catalog", sqlite_catalog_url, "scrub", "--subset", "1") == 1
     assert _replica_states(sqlite_catalog, "rot", 2) == {f"{urls[0]}/rot/2": RS.CORRUPT}
     assert sqlite_catalog.get("rot", 2).state is CS.CORRUPT
-    assert sqlite_catalog.resume_point("rot").chosen.step == 1
+    assert find_resume_point(sqlite_catalog, "rot").chosen.step == 1
     assert (tmp_path / "a" / "rot" / "2" / MARKER_NAME).exists() and folders[2].exists()  # nothing deleted
 
 
@@ -123,11 +124,11 @@ def test_no_good_copy_left_nothing_is_deleted_and_retention_keeps_a_good_one(tmp
     assert row.state is CS.CORRUPT and set(_replica_states(sqlite_catalog, "rot", 3).values()) == {RS.CORRUPT}
     after = sorted(p for d in ("a", "b") for p in (tmp_path / d / "rot" / "3").rglob("*"))
     assert after == before                          # the last copies, rotten or not, are kept
-    assert sqlite_catalog.resume_point("rot").chosen.step == 2
+    assert find_resume_point(sqlite_catalog, "rot").chosen.step == 2
     res = prune(sqlite_catalog, ["rot"], KeepLastN(1), now=datetime.now(timezone.utc))
     kept = {c.step for c in sqlite_catalog.list_checkpoints("rot") if c.state is CS.VERIFIED}
     assert 2 in kept and (tmp_path / "a" / "rot" / "2" / MARKER_NAME).exists(), res.plan.to_rows()
-    assert sqlite_catalog.resume_point("rot").chosen.step == 2
+    assert find_resume_point(sqlite_catalog, "rot").chosen.step == 2
     figures("bit rot in every copy", outcome="checkpoint corrupt, resume point falls back to step 2, "
             "no copy deleted, retention keeps step 2", bytes_lost_of_good_checkpoints=0)
 

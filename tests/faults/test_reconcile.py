@@ -33,6 +33,7 @@ from safepoint.ops.reconcile import (
     plan_checkpoint,
     reconcile,
 )
+from safepoint.ops.resume import find_resume_point
 from tests.faults.conftest import figures
 from tests.faults.world import World, check, copy_template
 
@@ -136,7 +137,7 @@ def test_crash_between_upload_and_catalog_is_repaired(crashed):
     second = reconcile(catalog, [dest], grace_s=G, now=time.time() + G + 1)
     assert second.count("finish") == 1 and second.count("checkpoint_verified") == 1, second.to_dict()
     assert catalog.get("crash", 5).state is CS.VERIFIED
-    assert catalog.resume_point("crash").chosen.step == 5
+    assert find_resume_point(catalog, "crash").chosen.step == 5
     world = World()
     world.observe(catalog)
     found = check(catalog, world, dest_roots=[tmp / "durable"], local_roots=[tmp / "nvme"])
@@ -155,7 +156,7 @@ def test_catalog_that_lost_the_checkpoint_adopts_it_from_the_replica(crashed, tm
     cat = open_catalog(fresh)
     row = cat.get("crash", 5)
     assert row.state is CS.VERIFIED and row.local_path is None and row.file_count == 5
-    assert cat.resume_point("crash").urls == [f"{dest}/crash/5"]
+    assert find_resume_point(cat, "crash").urls == [f"{dest}/crash/5"]
 
 
 def test_flow_starts_with_a_scoped_reconcile(crashed, prefect_api):
