@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from safepoint.destinations.base import Destination
 from safepoint.errors import FormatError
 from safepoint.format import MANIFEST_NAME, MARKER_NAME, FileEntry, load_committed
+from safepoint.replica_commit import commit_replica
 from safepoint.snapshot import LocalSnapshot
 from safepoint.states import CheckpointState, ReplicaState
 from safepoint.verify import FileStatus, VerifyReport, check_file, outcome_of, verify_manifest
@@ -115,13 +116,12 @@ def replicate(
         return result
 
     if existing is None:
-        dest.write_control(m.run, m.step, MANIFEST_NAME, snap.manifest_bytes)
-        if not dest.write_control(m.run, m.step, MARKER_NAME, snap.marker_bytes, exclusive=True):
-            # Another writer committed first; accept it only if it is the same manifest.
-            if dest.read_control(m.run, m.step, MARKER_NAME) != snap.marker_bytes:
-                result.state = ReplicaState.FAILED
-                result.error = f"{result.url} was committed concurrently with a different manifest"
-                return result
+        # Never replaces another writer's manifest; accepts a concurrent commit of the same manifest.
+        why_not = commit_replica(dest, m.run, m.step, snap.manifest_bytes, snap.marker_bytes)
+        if why_not is not None:
+            result.state = ReplicaState.FAILED
+            result.error = f"{result.url}: {why_not}"
+            return result
     elif dest.read_control(m.run, m.step, MANIFEST_NAME) != snap.manifest_bytes:
         # Our marker, but the manifest it binds is gone or damaged: a marker without a manifest is
         # a corrupt replica, never a verified one. Restore the exact bytes the marker binds.
