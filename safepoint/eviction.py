@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from catalog.views import LocalCopy
+from safepoint.decisions import check_min_replicas
 from safepoint.safe_delete import remove_snapshot_folder
 from safepoint.states import CheckpointState as CS
 
@@ -80,6 +81,7 @@ def plan_eviction(copies: Sequence[LocalCopy], sizes: Mapping[str, int], usage: 
     evicted at or below `high_water`; above it, eligible copies go oldest first until the fill
     would reach `low_water` (default high_water - 0.10).
     """
+    check_min_replicas(min_replicas)
     if not 0 < high_water <= 1:
         raise ValueError("high_water must be in (0, 1]")
     low = max(0.0, high_water - 0.10) if low_water is None else low_water

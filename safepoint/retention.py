@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
-from safepoint.decisions import PENDING, is_good
+from safepoint.decisions import PENDING, check_min_replicas, is_good
 from safepoint.errors import UsageError
 from safepoint.states import CheckpointState as CS
 
@@ -275,7 +275,7 @@ def plan(checkpoints: Iterable[Any], policy: Policy, now: datetime | None = None
     `now` defaults to the Unix epoch, never the clock, so the function stays pure: pass the time
     when a policy (KeepWithin) depends on it.
     """
-    ctx = Context(now or datetime(1970, 1, 1, tzinfo=timezone.utc), min_replicas)
+    ctx = Context(now or datetime(1970, 1, 1, tzinfo=timezone.utc), check_min_replicas(min_replicas))
     by_run: dict[str, list[Any]] = {}
     for c in checkpoints:
         if c.state is not CS.PRUNED:
