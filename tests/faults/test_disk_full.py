@@ -172,3 +172,22 @@ def test_short_write_on_a_full_disk_is_no_space_not_corruption(small_disk, tmp_p
     [rep] = sqlite_catalog.replicas(sqlite_catalog.get("full", 4).id)
     assert rep.state is RS.FAILED and "No space left on device" in rep.error, (rep, out)
     assert not list((mnt / "durable").rglob(MARKER_NAME)) and not list((mnt / "durable").rglob(f"{TMP_PREFIX}*"))
+
+
+@pytest.mark.parametrize("env,outcome", [
+    ({"SAFEPOINT_REQUIRE_DISKFULL": "1"}, pytest.fail.Exception),
+    ({"CI": "true"}, pytest.fail.Exception),
+    ({}, pytest.skip.Exception),
+], ids=["required", "ci", "local"])
+def test_a_refused_mount_fails_in_ci_and_skips_elsewhere(tmp_path, monkeypatch, env, outcome):
+    monkeypatch.delenv("SAFEPOINT_REQUIRE_DISKFULL", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def refused(*a, **kw):
+        raise subprocess.CalledProcessError(32, a[0], stderr=b"mount: only root can do that")
+
+    monkeypatch.setattr(subprocess, "run", refused)
+    with pytest.raises(outcome, match="cannot mount a tmpfs"):
+        mount_tmpfs(tmp_path)
