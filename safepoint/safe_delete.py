@@ -26,6 +26,7 @@ log = logging.getLogger("safepoint.safe_delete")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 MAX_CONTROL_BYTES = 64 * 1024 * 1024
+MAX_DEPTH = 256
 
 
 class UnsafePath(OSError):
@@ -124,8 +125,13 @@ def unlink_files(root_fd: int, relpaths: Iterable[str], out: Deletion | None = N
     return out
 
 
-def remove_empty_dirs(root_fd: int) -> None:
-    """Remove empty sub-folders under root_fd, deepest first; symlinks are neither followed nor removed."""
+def remove_empty_dirs(root_fd: int, _depth: int = 0) -> None:
+    """Remove empty sub-folders under root_fd, deepest first; symlinks are neither followed nor removed.
+
+    Folders deeper than MAX_DEPTH are left: a hostile tree cannot exhaust the stack or the fds.
+    """
+    if _depth >= MAX_DEPTH:
+        return
     for entry in list(os.scandir(root_fd)):
         if not entry.is_dir(follow_symlinks=False):
             continue
@@ -134,7 +140,7 @@ def remove_empty_dirs(root_fd: int) -> None:
         except (UnsafePath, FileNotFoundError):
             continue
         try:
-            remove_empty_dirs(sub)
+            remove_empty_dirs(sub, _depth + 1)
         finally:
             os.close(sub)
         with suppress(OSError):
