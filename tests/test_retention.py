@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safepoint.cli.main import main
+from safepoint.cli.main.main import main
 from safepoint.core.errors import UsageError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
 from safepoint.core.states import CheckpointState as C
@@ -198,7 +198,7 @@ def test_still_deletable_rechecks_against_a_fresh_read():
 # -- execution against a real catalog and real files ---------------------------------------------
 
 def test_execute_marks_catalog_then_marker_then_files(catalog, tmp_path, monkeypatch):
-    from safepoint.destinations.fsspec_dest import FsspecDestination
+    from safepoint.destinations.local import LocalDestination as FsspecDestination  # what file:// opens
 
     rows = [seed(catalog, tmp_path, "e", s) for s in (1, 2, 3)]
     calls = []
@@ -241,7 +241,7 @@ def test_execute_rechecks_a_stale_plan(catalog, tmp_path):
 
 
 def test_interrupted_deletion_is_finished_next_time(catalog, tmp_path, monkeypatch):
-    from safepoint.destinations.fsspec_dest import FsspecDestination
+    from safepoint.destinations.local import LocalDestination as FsspecDestination  # what file:// opens
 
     for s in (1, 2, 3):
         seed(catalog, tmp_path, "i", s)

@@ -128,6 +128,8 @@ def cmd_metric(args: argparse.Namespace) -> int:
 def cmd_evict(args: argparse.Namespace) -> int:
     from safepoint.ops.evict import evict
 
+    if args.min_replicas < 1:
+        raise UsageError(f"--min-replicas must be at least 1, got {args.min_replicas}")
     res = evict(_catalog(args), args.root, high_water=args.high_water, low_water=args.low_water,
                 capacity_bytes=args.capacity, min_replicas=args.min_replicas, keep_newest=args.keep_newest,
                 dry_run=args.dry_run)

@@ -112,9 +112,15 @@ def cmd_ls(args) -> int:
     return EXIT_OK
 
 
+def _check_min_replicas(n: int) -> None:
+    if n < 1:
+        raise UsageError(f"--min-replicas must be at least 1, got {n}: a checkpoint with no verified copy is unsafe")
+
+
 def cmd_resume_point(args) -> int:
     from safepoint.ops.resume import find_resume_point
 
+    _check_min_replicas(args.min_replicas)
     cat = _catalog(args)
     decision = find_resume_point(cat, args.run, min_replicas=args.min_replicas, max_step=args.max_step,
                                  before=parse_time(args.before) if args.before else None, tag=args.tag)
@@ -207,6 +213,7 @@ def cmd_prune(args) -> int:
 
     if (args.run is None) == (not args.all_runs):
         raise UsageError("give --run R (repeatable) or --all-runs")
+    _check_min_replicas(args.min_replicas)
     cat, config, now = _catalog(args), load_config(), datetime.now(timezone.utc)
     docs, errors = [], 0
     for run in (cat.runs() if args.all_runs else args.run):

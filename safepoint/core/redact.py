@@ -2,7 +2,9 @@
 
 The catalog outlives processes and is read by people and dashboards, so nothing that can open a
 bucket may reach it: URL userinfo (``s3://KEY:SECRET@host``) and ``secret=value`` style pairs
-(``aws_secret_access_key``, ``token=...``, presigned-URL signatures) are replaced. Idempotent.
+(``aws_secret_access_key``, ``token=...``, presigned-URL signatures, JSON keys such as
+``"SecretAccessKey": "..."``, quoted values with spaces, and ``aws_secret_access_key VALUE``)
+are replaced. Idempotent.
 """
 
 from __future__ import annotations
@@ -21,16 +23,32 @@ _USERINFO_RE = re.compile(
 )
 
 _SECRET_KEYS = (
-    r"aws_secret_access_key|aws_session_token|secret_access_key|secret[_-]?key|session[_-]?token"
+    r"(?:aws[_-]?)?secret[_-]?access[_-]?key|(?:aws[_-]?)?session[_-]?token|secret[_-]?key"
     r"|access[_-]?token|refresh[_-]?token|token|password|passwd|pwd|api[_-]?key|apikey"
     r"|client[_-]?secret|secret|x-amz-signature|x-amz-security-token|x-amz-credential|signature|sig"
 )
-# key = value, key: value, "key": "value", key=value in query strings. The key must not be the tail
-# of a longer alphanumeric word ("max_tokens" is fine, "tokens" is not a key).
+# Keys so specific that a bare space may separate them from the value (`aws configure set
+# aws_secret_access_key VALUE`, config files without '=').
+_SPACED_KEYS = r"(?:aws[_-]?)?secret[_-]?access[_-]?key|aws[_-]?session[_-]?token"
+# A value: quoted (spaces and escaped quotes included, up to the closing quote or the end of the
+# line when it is cut off), or bare up to a delimiter.
+_VALUE = r"""(?:(?P<q>["'])(?P<qval>(?:\\.|(?!(?P=q))[^\\\n])*)(?P=q)?|(?P<val>[^\s"'&,;}\])]+))"""
+# key = value, key: value, "key": "value", key=value in query strings, and the spaced keys with a
+# bare space. The key must not be the tail of a longer alphanumeric word ("max_tokens" is fine,
+# "tokens" is not a key); in JSON the key's closing quote sits between key and separator.
 _PAIR_RE = re.compile(
-    rf"(?i)(?<![A-Za-z0-9])(?P<key>{_SECRET_KEYS})(?P<sep>[\"']?\s*[:=]\s*[\"']?)(?P<val>[^\s\"'&,;}}\]\)]+)"
+    rf"(?i)(?<![A-Za-z0-9])(?P<key>{_SECRET_KEYS})(?P<sep>[\"']?\s*[:=]\s*){_VALUE}"
+    rf"|(?<![A-Za-z0-9])(?P<skey>{_SPACED_KEYS})(?P<ssep>[\"']?[ \t]+){_VALUE.replace('?P<', '?P<s')}"
 )
 _BEARER_RE = re.compile(r"(?i)\b(?P<key>bearer|basic)\s+(?P<val>[A-Za-z0-9._~+/=\-]{8,})")
+
+
+def _mask_pair(m: re.Match[str]) -> str:
+    spaced = m.group("skey") is not None
+    g = (lambda n: m.group("s" + n)) if spaced else m.group
+    key, sep = (m.group("skey"), m.group("ssep")) if spaced else (m.group("key"), m.group("sep"))
+    q = g("q")
+    return key + sep + (q + MASK + q if q else MASK)
 
 
 def redact(text: str | None) -> str | None:
@@ -40,7 +58,7 @@ def redact(text: str | None) -> str | None:
     if not isinstance(text, str):
         text = str(text)
     out = _USERINFO_RE.sub(lambda m: m.group("scheme"), text)
-    out = _PAIR_RE.sub(lambda m: m.group("key") + m.group("sep") + MASK, out)
+    out = _PAIR_RE.sub(_mask_pair, out)
     out = _BEARER_RE.sub(lambda m: m.group("key") + " " + MASK, out)
     return out
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 
-from safepoint.core.format import TMP_PREFIX, FileEntry
+from safepoint.core.format import TMP_PREFIX, FileEntry, check_run, check_step
 from safepoint.core.hashing import CHUNK, hash_path, new_hasher
 from safepoint.destinations.fsspec_dest import FsspecDestination
-from safepoint.local.commit import fsync_path
+from safepoint.local.atomic import fsync_dir, write_exclusive, write_replace
+from safepoint.local.safe_delete import delete_under
 
 
 class LocalDestination(FsspecDestination):
@@ -55,32 +57,26 @@ class LocalDestination(FsspecDestination):
         return h.hexdigest()
 
     def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
-        dst = self._local(run, step, name)
+        dst = self._local(run, step, name)  # name may be a sub-path
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{TMP_PREFIX}{dst.name}.{os.getpid()}")  # name may be a sub-path
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            for d in {p for p in dst.parent.rglob("*") if p.is_dir()} | {dst.parent}:
-                fsync_path(d, directory=True)
-            if exclusive:
-                try:
-                    os.link(tmp, dst)  # atomic: fails if the marker exists
-                except FileExistsError:
-                    return False
-                finally:
-                    tmp.unlink(missing_ok=True)
-            else:
-                os.replace(tmp, dst)
-            try:
-                fsync_path(dst.parent, directory=True)
-            except OSError:
-                # Its durability is unknown after a failed fsync: it must not stand (a marker
-                # left here would commit a replica the caller reports as failed).
-                dst.unlink(missing_ok=True)
-                raise
-        finally:
-            tmp.unlink(missing_ok=True)
+        # Every folder's entries must be durable before a control file can commit them.
+        for d in {p for p in dst.parent.rglob("*") if p.is_dir()} | {dst.parent}:
+            fsync_dir(d)
+        if exclusive:
+            return write_exclusive(dst, data)  # atomic: False if it exists
+        write_replace(dst, data)
         return True
+
+    # Deletion walks from an open folder handle and never follows a symlink (safepoint.safe_delete):
+    # a snapshot folder changed after commit cannot steer it outside.
+    def _unlink(self, run: str, step: int, relpaths: list[str]) -> None:
+        out = delete_under(self.root, (check_run(run), str(check_step(step))), relpaths)
+        if out.refused:
+            raise OSError(errno.ELOOP, f"{self.snapshot_url(run, step)}: {len(out.refused)} path(s) not deleted, "
+                                       f"a symlink or folder on the way: {', '.join(out.refused[:3])}")
+
+    def delete_files(self, run: str, step: int, relpaths: list[str]) -> None:
+        self._unlink(run, step, relpaths)
+
+    def delete_control(self, run: str, step: int, name: str) -> None:
+        self._unlink(run, step, [name])

@@ -29,6 +29,7 @@ from safepoint.core.format import (
     marker_for,
 )
 from safepoint.destinations.base import Destination
+from safepoint.destinations.replica_commit import commit_replica
 
 #: control folder of the parts, relative to the snapshot folder at a destination
 PARTS_DIR = ".safepoint/parts"
@@ -200,13 +201,7 @@ def assemble(dest: Destination, run: str, step: int, parts: dict[str, str | None
         return AssemblyResult(Assembly.WAITING, url, merged, error=f"ranks {missing} have no part")
     data = merged.to_json_bytes()
     marker = marker_for(data, merged).to_json_bytes()
-    existing = dest.read_control(run, step, MARKER_NAME)
-    if existing is None:
-        dest.write_control(run, step, MANIFEST_NAME, data)
-        if dest.write_control(run, step, MARKER_NAME, marker, exclusive=True):
-            return AssemblyResult(Assembly.COMMITTED, url, merged)
-        existing = dest.read_control(run, step, MARKER_NAME)
-    if existing == marker:
+    why_not = commit_replica(dest, run, step, data, marker)  # never replaces another writer's manifest
+    if why_not is None:
         return AssemblyResult(Assembly.COMMITTED, url, merged)
-    return AssemblyResult(Assembly.CONFLICT, url, merged,
-                          error=f"{url} is already committed with another manifest")
+    return AssemblyResult(Assembly.CONFLICT, url, merged, error=f"{url}: {why_not}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,6 @@ from safepoint.core.errors import CommitError, FormatError
 from safepoint.core.format import (
     MANIFEST_NAME,
     MARKER_NAME,
-    TMP_PREFIX,
     FileEntry,
     Manifest,
     build_manifest,
@@ -21,31 +22,25 @@ from safepoint.core.format import (
     safe_relpath,
 )
 from safepoint.core.hashing import hash_path
+from safepoint.local.atomic import fsync_dir, fsync_file, write_exclusive, write_replace
 from safepoint.local.snapshot import LocalSnapshot, data_files, is_committed
 
 
-def fsync_path(path: Path, directory: bool = False) -> None:
-    """fsync a file or directory. A failure is final: the caller aborts, it never retries and trusts."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+@contextmanager
+def _exclusive(root: Path, shown: str | os.PathLike) -> Iterator[None]:
+    """Hold the folder's commit lock (flock on the folder itself; the kernel drops it if we die).
+
+    A second commit of the same folder meanwhile fails at once instead of racing for the marker.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.fsync(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CommitError(f"{shown}: another commit of this folder is in progress; nothing was committed") from None
+        yield
     finally:
-        os.close(fd)
-
-
-def write_durably(folder: Path, name: str, data: bytes) -> None:
-    """Write `name` in `folder` via a temp file: write, fsync, rename, fsync folder."""
-    tmp = folder / f"{TMP_PREFIX}{name}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / name)
-        fsync_path(folder, directory=True)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        os.close(fd)  # releases the lock
 
 
 def _scan(root: Path) -> list[str]:
@@ -81,7 +76,7 @@ def _read_or_none(path: Path) -> bytes | None:
 
 def _hash_and_sync(path: Path) -> tuple[int, str]:
     size, digest = hash_path(path)
-    fsync_path(path)
+    fsync_file(path)
     return size, digest
 
 
@@ -108,6 +103,14 @@ def commit(
     if not root.is_dir() or root.is_symlink():
         raise CommitError(f"{folder}: not a directory")
     root = root.resolve()
+    with _exclusive(root, folder):
+        return _commit_locked(root, folder, run, step, parent=parent, world_size=world_size, ranks=ranks, node=node,
+                              meta=meta, files=files, workers=workers)
+
+
+def _commit_locked(root: Path, folder: str | os.PathLike, run: str, step: int, *, parent: tuple[str, int] | None,
+                   world_size: int, ranks: Iterable[int] | None, node: str | None, meta: dict[str, Any] | None,
+                   files: Iterable[FileEntry] | None, workers: int) -> Manifest:
     if is_committed(root):
         try:
             existing = LocalSnapshot.open(root).manifest
@@ -128,20 +131,19 @@ def commit(
             if sorted(e.path for e in entries) != sorted(names):
                 raise CommitError(f"{folder}: the files given do not match the files on disk")
             for e in entries:
-                fsync_path(root / e.path)
+                fsync_file(root / e.path)
         manifest = build_manifest(
             run, step, entries, parent=parent, world_size=world_size,
             ranks=tuple(ranks) if ranks is not None else None, node=node, meta=dict(meta or {}),
         )
         manifest_bytes = manifest.to_json_bytes()
-        write_durably(root, MANIFEST_NAME, manifest_bytes)
+        write_replace(root / MANIFEST_NAME, manifest_bytes)  # we hold the folder: no other writer replaces it
         for dirpath, _dirs, _files in os.walk(root):
-            fsync_path(Path(dirpath), directory=True)
+            fsync_dir(dirpath)
         ours = marker_for(manifest_bytes, manifest).to_json_bytes()
-        write_durably(root, MARKER_NAME, ours)
+        if not write_exclusive(root / MARKER_NAME, ours):  # never replaces a marker, even one we did not see
+            raise CommitError(f"could not commit {folder}: committed concurrently by another writer")
     except (OSError, FormatError) as e:
-        for name in (MANIFEST_NAME, MARKER_NAME):
-            (root / f"{TMP_PREFIX}{name}").unlink(missing_ok=True)
         # A marker renamed into place before a failed fsync of the folder is of unknown durability:
         # it must not stand, or the "nothing was committed" below would be a lie.
         if ours is not None and _read_or_none(root / MARKER_NAME) == ours:

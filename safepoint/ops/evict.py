@@ -15,6 +15,7 @@ snapshot for every reader), then the data files, then the manifest, then records
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from safepoint.catalog.views import LocalCopy
-from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, parse_manifest, safe_relpath
 from safepoint.core.states import CheckpointState as CS
+from safepoint.local.safe_delete import remove_snapshot_folder
+from safepoint.rules.resume import check_min_replicas
+
+log = logging.getLogger("safepoint.ops.evict")
 
 # Checkpoints whose local bytes nothing in the pipeline needs any more.
 EVICTABLE = frozenset({CS.VERIFIED, CS.INVALID})
@@ -78,6 +81,7 @@ def plan_eviction(copies: Sequence[LocalCopy], sizes: Mapping[str, int], usage: 
     evicted at or below `high_water`; above it, eligible copies go oldest first until the fill
     would reach `low_water` (default high_water - 0.10).
     """
+    check_min_replicas(min_replicas)
     if not 0 < high_water <= 1:
         raise ValueError("high_water must be in (0, 1]")
     low = max(0.0, high_water - 0.10) if low_water is None else low_water
@@ -148,46 +152,32 @@ def measure(root: str | os.PathLike[str], capacity_bytes: int | None = None) -> 
 
 
 def remove_local_snapshot(folder: str | os.PathLike[str], run: str, step: int,
-                          files: Iterable[str] = ()) -> bool:
+                          files: Iterable[str] = (), *, expect_digest: str | None = None) -> bool:
     """Delete a local snapshot folder that provably holds (run, step): marker, data, manifest.
 
-    Proof is its MANIFEST.json naming run and step: a folder reused for a newer checkpoint, or
-    being written by training (no manifest yet), is left alone. Only files the manifest or the
-    catalog lists are deleted, then empty folders; anything else stays. False if nothing was done.
+    Proof is a MANIFEST.json bound by the folder's marker (or, the marker gone, by `expect_digest`,
+    the catalog's record) that names run and step: a folder reused for a newer checkpoint, being
+    written by training (no manifest yet), or whose manifest was rewritten is left alone. Only
+    files that manifest or the catalog lists are deleted, never through a symlink
+    (safepoint.safe_delete), then empty folders; anything else stays. False if nothing was done.
     """
-    root = Path(folder)
-    manifest_path = root / MANIFEST_NAME
-    try:
-        m = parse_manifest(manifest_path.read_bytes())
-    except (FileNotFoundError, NotADirectoryError, FormatError):
-        return False
-    if (m.run, m.step) != (run, step):
-        return False
-    (root / MARKER_NAME).unlink(missing_ok=True)
-    _fsync_dir(root)
-    for rel in sorted({f.path for f in m.files} | set(files)):
-        try:
-            (root / safe_relpath(rel)).unlink(missing_ok=True)
-        except (FormatError, IsADirectoryError):
-            continue
-    manifest_path.unlink(missing_ok=True)
-    for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
-        try:
-            os.rmdir(dirpath)  # only empty ones
-        except OSError:
-            pass
-    return True
+    out = remove_snapshot_folder(folder, run, step, expect_digest=expect_digest, files=sorted(set(files)))
+    if out.refused:
+        log.warning("%s: %d path(s) not deleted (a symlink or a folder on the way): %s", folder, len(out.refused),
+                    ", ".join(out.refused[:3]))
+    return out.done
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def manifest_digests(catalog, checkpoint_id: int) -> dict[str, str | None]:
+    """Local folder -> the digest of the manifest the catalog recorded for it (rank parts included)."""
+    row = catalog.get_by_id(checkpoint_id)
+    out: dict[str, str | None] = {}
+    if row is not None and row.local_path:
+        out[row.local_path] = row.manifest_blake3 or None
+    for r in catalog.ranks(checkpoint_id) if row is not None and row.world_size > 1 else ():
+        if r["local_path"]:
+            out[r["local_path"]] = r["manifest_blake3"] or None
+    return out
 
 
 @dataclass
@@ -214,7 +204,8 @@ def evict(catalog, root: str | os.PathLike[str], *, high_water: float = 0.85, lo
         if not catalog.claim_local_eviction(c, states=EVICTABLE, min_replicas=min_replicas):
             result.skipped.append(c.path)
             continue
-        if remove_local_snapshot(c.path, c.run, c.step, catalog.file_paths(c.checkpoint_id)):
+        digest = manifest_digests(catalog, c.checkpoint_id).get(c.path)
+        if remove_local_snapshot(c.path, c.run, c.step, catalog.file_paths(c.checkpoint_id), expect_digest=digest):
             catalog.local_copy_removed(c.checkpoint_id, c.path)
             result.evicted.append(c.path)
         else:

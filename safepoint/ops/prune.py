@@ -25,7 +25,7 @@ from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
-from safepoint.ops.evict import remove_local_snapshot
+from safepoint.ops.evict import manifest_digests, remove_local_snapshot
 from safepoint.rules.retention import Policy, RetentionPlan, plan, still_deletable
 
 log = logging.getLogger("safepoint.ops.prune")
@@ -63,10 +63,11 @@ def delete_copies(catalog: Catalog, c: CheckpointView, config: Config) -> list[s
     paths = {c.local_path}
     if c.world_size > 1:  # parts of a multi-node checkpoint may sit in other folders on this host
         paths |= {x["local_path"] for x in catalog.ranks(c.id)}
+    digests = manifest_digests(catalog, c.id) if paths else {}
     for path in sorted(p for p in paths if p and Path(p).is_dir()):
         files = files if files is not None else catalog.file_paths(c.id)
         try:
-            remove_local_snapshot(path, c.run, c.step, files)
+            remove_local_snapshot(path, c.run, c.step, files, expect_digest=digests.get(path))
         except OSError as e:
             errors.append(f"{path}: {e}")
     return errors

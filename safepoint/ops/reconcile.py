@@ -62,7 +62,9 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
+from safepoint.destinations.local import LocalDestination
 from safepoint.destinations.parts import PARTS_DIR
+from safepoint.local.safe_delete import open_dir, remove_empty_under, unlink_files
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.leases import default_holder
 from safepoint.ops.replicate import verify_replica
@@ -493,10 +495,7 @@ class Reconciler:
                  and m is not None and self.now - m >= self.grace_s]
         if stale and self._act("remove_tmp", loc.run, loc.step, dest.snapshot_url(loc.run, loc.step),
                                f"{len(stale)} temporary object(s): {', '.join(sorted(stale)[:3])}"):
-            fs, root = dest.fs, dest.root  # type: ignore[attr-defined]
-            for p in stale:
-                with suppress(FileNotFoundError):
-                    fs.rm_file(join(root, loc.run, str(loc.step), p))
+            _delete_objects(dest, loc.run, loc.step, stale)
 
     def _remove_partial(self, dest: Destination, loc: _Location, row: CheckpointRow | None, has_replica_row: bool,
                         detail: str) -> None:
@@ -511,10 +510,7 @@ class Reconciler:
             n = len(loc.objects)
             if not self._act(Action.REMOVE_PARTIAL, run, step, url, f"{detail}; {n} object(s)"):
                 return
-            fs, root = dest.fs, dest.root  # type: ignore[attr-defined]
-            for p in sorted(loc.objects):
-                with suppress(FileNotFoundError):
-                    fs.rm_file(join(root, run, str(step), p))
+            _delete_objects(dest, run, step, sorted(loc.objects))
             self._rm_empty(dest, run, step)
             if row is not None and has_replica_row:
                 rep = next((r for r in self.catalog.replicas(row.id) if r.url.rstrip("/") == redact_url(url)), None)
@@ -529,12 +525,7 @@ class Reconciler:
         root = getattr(dest, "root", None)
         if not dest.url.startswith("file://") or root is None:
             return
-        top = Path(join(root, run, str(step)))
-        if not top.is_dir():
-            return
-        for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda t: -len(t[0])):
-            with suppress(OSError):
-                os.rmdir(dirpath)
+        remove_empty_under(root, run, str(step))  # no symlink followed (safepoint.safe_delete)
 
     def _multipart(self, dest: Destination) -> None:
         """Abort multipart uploads older than the grace period, where the destination offers it."""
@@ -565,9 +556,11 @@ class Reconciler:
                      and self.now - e.stat(follow_symlinks=False).st_mtime >= self.grace_s]
             if stale and self._act("remove_tmp", None, None, folder,
                                    f"{len(stale)} temporary file(s): {', '.join(sorted(e.name for e in stale)[:3])}"):
-                for e in stale:
-                    with suppress(FileNotFoundError):
-                        os.unlink(e.path)
+                try:
+                    with open_dir(folder) as fd:  # no symlink followed on the way (safepoint.safe_delete)
+                        unlink_files(fd, [e.name for e in stale])
+                except OSError as err:
+                    self.report.errors.append(f"{folder}: {err}")
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoints(self, destinations: list[str]) -> None:
@@ -655,6 +648,17 @@ class Reconciler:
                 self.report.add(f"replica_{result.state}", row.run, row.step, rep.url,
                                 f"from {snap.root}: {result.bytes_uploaded} bytes sent, {result.bytes_reused} reused"
                                 + (f"; {result.error}" if result.error else ""), done=True)
+
+
+def _delete_objects(dest: Destination, run: str, step: int, relpaths: list[str]) -> None:
+    """Delete objects of a snapshot; file:// ones through safepoint.safe_delete (no symlink followed)."""
+    if isinstance(dest, LocalDestination):
+        dest.delete_files(run, step, relpaths)
+        return
+    fs, root = dest.fs, dest.root  # type: ignore[attr-defined]
+    for p in relpaths:
+        with suppress(FileNotFoundError):
+            fs.rm_file(join(root, run, str(step), p))
 
 
 def _clear_broken_marker(dest: Destination, row: CheckpointRow, snap: LocalSnapshot) -> None:

@@ -17,6 +17,7 @@ from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, load_co
 from safepoint.core.states import CheckpointState, ReplicaState
 from safepoint.core.verify import FileStatus, VerifyReport, check_file, outcome_of, verify_manifest
 from safepoint.destinations.base import Destination
+from safepoint.destinations.replica_commit import commit_replica
 from safepoint.local.snapshot import LocalSnapshot
 
 log = logging.getLogger(__name__)
@@ -115,13 +116,12 @@ def replicate(
         return result
 
     if existing is None:
-        dest.write_control(m.run, m.step, MANIFEST_NAME, snap.manifest_bytes)
-        if not dest.write_control(m.run, m.step, MARKER_NAME, snap.marker_bytes, exclusive=True):
-            # Another writer committed first; accept it only if it is the same manifest.
-            if dest.read_control(m.run, m.step, MARKER_NAME) != snap.marker_bytes:
-                result.state = ReplicaState.FAILED
-                result.error = f"{result.url} was committed concurrently with a different manifest"
-                return result
+        # Never replaces another writer's manifest; accepts a concurrent commit of the same manifest.
+        why_not = commit_replica(dest, m.run, m.step, snap.manifest_bytes, snap.marker_bytes)
+        if why_not is not None:
+            result.state = ReplicaState.FAILED
+            result.error = f"{result.url}: {why_not}"
+            return result
     elif dest.read_control(m.run, m.step, MANIFEST_NAME) != snap.manifest_bytes:
         # Our marker, but the manifest it binds is gone or damaged: a marker without a manifest is
         # a corrupt replica, never a verified one. Restore the exact bytes the marker binds.

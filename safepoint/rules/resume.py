@@ -25,6 +25,17 @@ def verified_replicas(ckpt: Any) -> list:
     return [r for r in ckpt.replicas if r.state is RS.VERIFIED]
 
 
+def check_min_replicas(n: int) -> int:
+    """`n` if it is a usable replica requirement; ValueError otherwise.
+
+    0 would let a checkpoint with no verified copy count as good (chosen for resume, kept as a
+    good one by retention): never a safe answer, so it is refused rather than honoured.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"min_replicas must be an integer >= 1, got {n!r}: a checkpoint needs a verified copy")
+    return n
+
+
 def is_good(ckpt: Any, min_replicas: int = 1) -> bool:
     """Verified, with at least `min_replicas` verified replicas and no replica known bad.
 
@@ -76,8 +87,7 @@ def resume_point(
     Checkpoints out of scope are not candidates and are not listed. Every newer candidate that
     loses is listed with the reason, so the answer can be explained.
     """
-    if min_replicas < 0:
-        raise ValueError("min_replicas must be >= 0")
+    check_min_replicas(min_replicas)
     scope = []
     if max_step is not None:
         scope.append(f"step <= {max_step}")

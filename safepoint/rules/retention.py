@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from safepoint.core.errors import UsageError
 from safepoint.core.states import CheckpointState as CS
-from safepoint.rules.resume import PENDING, is_good
+from safepoint.rules.resume import PENDING, check_min_replicas, is_good
 
 Reason = str | None
 
@@ -275,7 +275,7 @@ def plan(checkpoints: Iterable[Any], policy: Policy, now: datetime | None = None
     `now` defaults to the Unix epoch, never the clock, so the function stays pure: pass the time
     when a policy (KeepWithin) depends on it.
     """
-    ctx = Context(now or datetime(1970, 1, 1, tzinfo=timezone.utc), min_replicas)
+    ctx = Context(now or datetime(1970, 1, 1, tzinfo=timezone.utc), check_min_replicas(min_replicas))
     by_run: dict[str, list[Any]] = {}
     for c in checkpoints:
         if c.state is not CS.PRUNED:

@@ -1,6 +1,7 @@
 """Disk full during commit and during replication, on a real 2 MiB tmpfs.
 
-Injection: `mount -t tmpfs -o size=2m` (skipped, with the reason, where mounting is not allowed).
+Injection: `mount -t tmpfs -o size=2m` (skipped, with the reason, where mounting is not allowed;
+a failure instead in CI, CI=true or SAFEPOINT_REQUIRE_DISKFULL=1, so CI cannot pass without them).
 Commit: the training's files fill the disk to the last page, so writing MANIFEST.json fails
 with ENOSPC. Replication: the destination is the small disk and the checkpoint does not fit.
 Expected: the commit is aborted (no marker, no manifest, no temporary file) and succeeds once
@@ -30,17 +31,31 @@ from tests.faults.conftest import figures
 from tests.faults.world import copy_template
 
 
+def required() -> bool:
+    """CI (CI=true, or SAFEPOINT_REQUIRE_DISKFULL=1 as .ci/run sets) must run these tests, never skip them."""
+    return (os.environ.get("SAFEPOINT_REQUIRE_DISKFULL") == "1"
+            or os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"))
+
+
+def mount_tmpfs(mnt: Path, size: str = "2m") -> None:
+    """Mount a tmpfs at `mnt`; where that is not allowed, skip, or fail when the tests are required."""
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        why = f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {e} {detail.decode().strip()}"
+        if required():
+            pytest.fail(f"{why}; the disk-full tests are required here (CI / SAFEPOINT_REQUIRE_DISKFULL=1)")
+        pytest.skip(why)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs; yields (path, resize(mib))."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {e} {detail.decode().strip()}")
+    mount_tmpfs(mnt)
 
     def resize(mib: int) -> None:
         subprocess.run(["mount", "-o", f"remount,size={mib}m", str(mnt)], check=True, capture_output=True)
@@ -157,3 +172,22 @@ def test_short_write_on_a_full_disk_is_no_space_not_corruption(small_disk, tmp_p
     [rep] = sqlite_catalog.replicas(sqlite_catalog.get("full", 4).id)
     assert rep.state is RS.FAILED and "No space left on device" in rep.error, (rep, out)
     assert not list((mnt / "durable").rglob(MARKER_NAME)) and not list((mnt / "durable").rglob(f"{TMP_PREFIX}*"))
+
+
+@pytest.mark.parametrize("env,outcome", [
+    ({"SAFEPOINT_REQUIRE_DISKFULL": "1"}, pytest.fail.Exception),
+    ({"CI": "true"}, pytest.fail.Exception),
+    ({}, pytest.skip.Exception),
+], ids=["required", "ci", "local"])
+def test_a_refused_mount_fails_in_ci_and_skips_elsewhere(tmp_path, monkeypatch, env, outcome):
+    monkeypatch.delenv("SAFEPOINT_REQUIRE_DISKFULL", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def refused(*a, **kw):
+        raise subprocess.CalledProcessError(32, a[0], stderr=b"mount: only root can do that")
+
+    monkeypatch.setattr(subprocess, "run", refused)
+    with pytest.raises(outcome, match="cannot mount a tmpfs"):
+        mount_tmpfs(tmp_path)
