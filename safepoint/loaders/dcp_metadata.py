@@ -172,7 +172,7 @@ class _Decoder:
         except RecursionError:
             raise malformed("nested too deeply") from None
         except (ValueError, EOFError) as e:
-            if isinstance(e, EOFError) or "not enough data" in str(e):
+            if isinstance(e, EOFError) or "not enough data" in str(e) or "exhausted" in str(e):
                 raise malformed("truncated (pickle ends early)") from None
             raise malformed(f"corrupt pickle ({type(e).__name__}: {clip(str(e), 120)})") from None
         except (UnicodeDecodeError, OverflowError, IndexError, TypeError) as e:
