@@ -155,14 +155,21 @@ class LoadedTensor(TensorSource):
 
     def pieces(self, max_elems: int) -> Iterator[torch.Tensor]:
         t = self.tensor
+        if t.is_quantized:
+            raise LoadError(Problem.UNLOADABLE, "quantized tensors cannot be audited: refused")
         if t.layout == torch.sparse_coo:
             t = t._values()  # stored values: NaN/Inf and max |x| are exact, the norm counts duplicates
+        elif t.layout in _COMPRESSED:
+            t = t.values()   # CSR/CSC/BSR/BSC: every stored value (blocks included)
         elif t.layout != torch.strided:
-            raise LoadError(Problem.UNLOADABLE, f"unsupported tensor layout {t.layout}")
+            raise LoadError(Problem.UNLOADABLE, f"{t.layout} tensors cannot be audited: refused")
         for piece in _flat_pieces(t, max(1, max_elems)):
             yield piece
             if self._release is not None:
                 self._release(piece)
+
+
+_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 
 
 def _flat_pieces(t: torch.Tensor, max_elems: int) -> Iterator[torch.Tensor]:

@@ -271,12 +271,10 @@ class _Decoder:
             self.push(Name(module, attr))
         elif name in ("REDUCE", "NEWOBJ"):
             args, fn = self.pop(), self.pop()
-            if not isinstance(fn, Name):
-                raise unsafe(f"{name} of {_kind(fn)}, not an allowed name")
-            if not isinstance(args, tuple):
-                raise malformed(f"{name} arguments are {_kind(args)}, not a tuple")
+            if not isinstance(fn, Name) or not _callable(name, fn.key, args):
+                raise unsafe(f"{name} of {_kind(fn)} with {_kind(args)} is not allowed")
             self.count()
-            self.push(Call(fn.key, name, args))
+            self.push(Mapping() if fn.key == ("collections", "OrderedDict") else Call(fn.key, name, args))
         elif name == "BUILD":
             state = self.pop()
             target = self.top()
@@ -285,6 +283,27 @@ class _Decoder:
             target.state, target.built = state, True
         else:
             raise unsafe(f"pickle opcode {name} is not allowed")
+
+
+# What REDUCE/NEWOBJ may record, by name: the shape DCP's own pickles use, with plain arguments.
+NEWOBJ_NAMES = frozenset({METADATA, TENSOR_MD, BYTES_MD, CHUNK_MD, INDEX, STORAGE_INFO, STORAGE_META,
+                          (_FS, "_StoragePrefix")} | PROPERTIES)
+
+
+def _callable(op: str, key: tuple[str, str], args: Any) -> bool:
+    if not isinstance(args, tuple):
+        return False
+    if op == "NEWOBJ":
+        return key in NEWOBJ_NAMES and args == ()
+    if key == SIZE:
+        return len(args) == 1 and isinstance(args[0], (tuple, list))
+    if key == LAYOUT:
+        return len(args) == 1 and isinstance(args[0], str)
+    if key in MEM_FORMAT:
+        return len(args) == 1 and isinstance(args[0], int)
+    if key in _PATHS:
+        return all(isinstance(a, str) for a in args)
+    return key == ("collections", "OrderedDict") and args == ()
 
 
 def _kind(v: Any) -> str:
