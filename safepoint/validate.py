@@ -49,6 +49,7 @@ from safepoint.loaders import (
     one_line,
 )
 from safepoint.loaders.dcp import DCP_SUFFIX, METADATA_NAME
+from safepoint.loaders.torchsave import ZIP_MAGIC
 from safepoint.sandbox import note, run_limited
 from safepoint.validation_settings import ValidationSettings
 
@@ -437,23 +438,28 @@ def _finding(d: dict[str, Any]) -> Finding:
     return Finding(str(d["file"]), d.get("tensor"), Problem(d["problem"]), str(d["message"]))
 
 
-def _input_bytes(folder: Path, files: list[str]) -> int:
-    total = 0
+def _input_bytes(folder: Path, files: list[str]) -> tuple[int, int]:
+    """(bytes of the files, bytes of those torch.load maps whole: the zip format)."""
+    total = mapped = 0
     for rel in files:
         try:
-            st = os.lstat(folder / safe_relpath(rel))
+            path = folder / safe_relpath(rel)
+            st = os.lstat(path)
+            with open(path, "rb") as f:
+                head = f.read(len(ZIP_MAGIC))
         except (OSError, FormatError):
             continue
         total += st.st_size
-    return total
+        mapped += st.st_size if head == ZIP_MAGIC else 0
+    return total, mapped
 
 
 def _run_in_sandbox(v: _Validator, files: list[str]) -> None:
     """v.run(files) in a child process with memory, CPU and wall-clock limits (safepoint.sandbox)."""
     limits = v.settings.sandbox
-    nbytes = _input_bytes(v.folder, files)
+    nbytes, mapped = _input_bytes(v.folder, files)
     out = run_limited(read_files, (os.fspath(v.folder), files, v.settings), limits, input_bytes=nbytes,
-                      mapped_bytes=nbytes)
+                      mapped_bytes=mapped)
     v.report.checks["sandbox"] = {"limit": out.limit, "usage": out.usage}
     if not out.ok:
         where = out.last_note or "."
