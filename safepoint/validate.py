@@ -24,6 +24,7 @@ leaves or tensors of any supported file; `tensor_stat(name, t)` computes stats o
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -445,6 +446,8 @@ def _input_bytes(folder: Path, files: list[str]) -> tuple[int, int]:
         try:
             path = folder / safe_relpath(rel)
             st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a link or a special file: refused by the validator, never opened here
             with open(path, "rb") as f:
                 head = f.read(len(ZIP_MAGIC))
         except (OSError, FormatError):
