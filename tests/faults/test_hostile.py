@@ -151,6 +151,28 @@ def _dcp_truncated(tmp_path, template, step):
     return folder
 
 
+@case("DCP .metadata whose BUILD steers pathlib", CS.INVALID, "BUILD on the name pathlib.PurePath")
+def _dcp_build(tmp_path, template, step):
+    from tests.test_dcp_metadata import build_on_purepath
+
+    folder = tmp_path / "nvme" / "dcp-build"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(build_on_purepath())
+    commit(folder, "hostile", step)
+    return folder
+
+
+@case("DCP .metadata hash bomb", CS.INVALID, "not a string")
+def _dcp_hash_bomb(tmp_path, template, step):
+    from tests.test_dcp_metadata import hash_bomb
+
+    folder = tmp_path / "nvme" / "dcp-hash"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(hash_bomb())
+    commit(folder, "hostile", step)
+    return folder
+
+
 @case("0-byte checkpoint file", CS.INVALID, "model.pt: truncated")
 def _zero(tmp_path, template, step):
     folder = tmp_path / "nvme" / "zero"
