@@ -156,12 +156,12 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple, memory: int, cpu: int
 
 # ------------------------------------------------------------------------------------------ the parent
 
-_contexts: dict[tuple[str, tuple[str, ...]], Any] = {}
+_contexts: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
 def _context(limits: SandboxLimits) -> Any:
-    key = (limits.start_method, limits.preload)
+    key = limits.start_method   # one fork server per process: the first preload list is the one it keeps
     with _lock:
         ctx = _contexts.get(key)
         if ctx is None:
