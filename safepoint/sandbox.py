@@ -190,7 +190,7 @@ def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, i
     cpu, wall = limits.cpu_limit(input_bytes), limits.wall_limit(input_bytes)
     ctx = _context(limits)
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(send, fn, args, memory, cpu), daemon=True)
+    p = ctx.Process(target=_child, args=(send, fn, args, memory, cpu))   # joined or killed below, always
     p.start()
     send.close()
     deadline = time.monotonic() + wall
