@@ -17,8 +17,8 @@ from safepoint.sandbox import SandboxLimits, note, run_limited
 from safepoint.validate import validate_snapshot
 from safepoint.validation_settings import ValidationSettings
 
-FAST = SandboxLimits(memory_bytes=64 << 20, cpu_seconds=3, cpu_seconds_per_gib=0, wall_seconds=5,
-                     wall_seconds_per_gib=0)
+FAST = SandboxLimits(memory_bytes=64 << 20, cpu_seconds=3, cpu_seconds_per_gib=0, wall_seconds=60,
+                     wall_seconds_per_gib=0)   # a generous wall clock: the test machine is busy
 
 
 def add(a: int, b: int) -> dict:
@@ -79,16 +79,16 @@ def test_address_space_for_mapped_files_comes_on_top(tmp_path):
 
 def test_cpu_limit():
     t0 = time.monotonic()
-    out = run_limited(spin, (), replace(FAST, cpu_seconds=2, wall_seconds=120))   # a busy machine: slow wall
+    out = run_limited(spin, (), replace(FAST, cpu_seconds=2, wall_seconds=120))
     assert out.limit == "validation exceeded 2 s of CPU time" and out.last_note == "spinning"
     assert time.monotonic() - t0 < 120
 
 
 def test_wall_clock():
     t0 = time.monotonic()
-    out = run_limited(sleep, (), FAST)
+    out = run_limited(sleep, (), replace(FAST, wall_seconds=5))
     assert out.limit == "validation exceeded its wall clock of 5 s" and out.last_note == "sleeping"
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 30
 
 
 def test_crash_and_exception_are_errors_not_values():
