@@ -13,8 +13,8 @@ before exec, agrees):
 
 - seeds: SHA-256 of the file, then `torch.load` of the whole thing, then NaN/Inf over "model" only
   (the verifier the issue describes: it never looks at the optimizer state);
-- safepoint: `validate_snapshot` at full coverage, in its sandbox (a child forked from a fork
-  server that imports torch once; peak RSS is the larger of the caller's and the child's): every
+- safepoint: `validate_snapshot` at full coverage, in its sandbox (a limited child forked from the
+  single-threaded caller; peak RSS is the larger of the caller's and the child's): every
   tensor of model *and* optimizer through the
   audit (NaN/Inf, norm, max |x|), plus the strict dry-run load against the model factory
   `bench.validate:build_gpt` (keys, shapes, dtypes, optimizer state vs param groups, step). It does

@@ -12,9 +12,11 @@ data (JSON: a compromised child cannot send back anything that runs), or the lim
 - CPU: `RLIMIT_CPU` = `cpu_seconds` + `cpu_seconds_per_gib` per GiB of input (SIGXCPU, then SIGKILL);
 - wall clock: `wall_seconds` + `wall_seconds_per_gib` per GiB; past it the child is killed.
 
-Children come from a fork server (`start_method = "forkserver"`) that has imported the validation
-code (torch included) once: each run costs a fork, not an interpreter start and a torch import, and
-starts from a clean process that holds none of the caller's state (credentials, connections).
+Children are forked (`sandbox_start_method = "auto"`): straight from the caller when it has a single
+thread (a CLI run: nothing else can hold a lock at fork time, and the fork costs milliseconds where a
+fresh interpreter would import torch again), else from a fork server that has imported the validation
+code (torch included) once and holds none of the caller's state (a Prefect worker, an ingest loop
+with threads). "forkserver", "fork" and "spawn" can be chosen explicitly.
 `note(text)` lets the child say what it is working on, so a limit names the file it stopped in.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import resource
 import signal
 import threading
@@ -36,7 +39,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 _POLL_S = 0.05
 _MAX_RESULT_BYTES = 1 << 30
-_START_METHODS = ("forkserver", "spawn", "fork")
+_START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class SandboxLimits:
     cpu_seconds_per_gib: int = 60        # reading and auditing take about 1 CPU-second per GiB
     wall_seconds: int = 600
     wall_seconds_per_gib: int = 120      # i.e. slower than ~8 MiB/s is a stuck read, not a slow disk
-    start_method: str = "forkserver"
+    start_method: str = "auto"          # fork when the caller is single-threaded, else the fork server
     preload: tuple[str, ...] = ("safepoint.validate",)
 
     def cpu_limit(self, nbytes: int) -> int:
@@ -160,13 +163,27 @@ _contexts: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
+def _single_threaded() -> bool:
+    """Only this thread exists (native threads included), so no lock can be held by another at fork."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def start_method(limits: SandboxLimits) -> str:
+    if limits.start_method != "auto":
+        return limits.start_method
+    return "fork" if _single_threaded() else "forkserver"
+
+
 def _context(limits: SandboxLimits) -> Any:
-    key = limits.start_method   # one fork server per process: the first preload list is the one it keeps
+    key = start_method(limits)   # one fork server per process: the first preload list is the one it keeps
     with _lock:
         ctx = _contexts.get(key)
         if ctx is None:
-            ctx = multiprocessing.get_context(limits.start_method)
-            if limits.start_method == "forkserver":
+            ctx = multiprocessing.get_context(key)
+            if key == "forkserver":
                 ctx.set_forkserver_preload(list(limits.preload))
             _contexts[key] = ctx
         return ctx

@@ -49,8 +49,9 @@ def fail() -> None:
     raise RuntimeError("boom")
 
 
-def test_value_comes_back_as_plain_data():
-    out = run_limited(add, (2, 3), FAST)
+@pytest.mark.parametrize("method", ["auto", "forkserver", "fork"])
+def test_value_comes_back_as_plain_data(method):
+    out = run_limited(add, (2, 3), replace(FAST, start_method=method))
     assert out.ok and out.value == {"sum": 5, "nested": [1.5, None, "x"]}
     assert out.usage["peak_rss_bytes"] > 0
 
@@ -108,7 +109,7 @@ def test_limits_scale_with_the_input():
     ({"sandbox": "yes"}, "sandbox must be true or false"),
     ({"sandbox_memory_bytes": 0}, "positive integer"),
     ({"sandbox_cpu_seconds": -1}, "positive integer"),
-    ({"sandbox_start_method": "thread"}, "one of forkserver"),
+    ({"sandbox_start_method": "thread"}, "one of auto, forkserver"),
 ])
 def test_bad_settings(doc, error):
     with pytest.raises(UsageError, match=error):
