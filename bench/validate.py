@@ -13,7 +13,9 @@ before exec, agrees):
 
 - seeds: SHA-256 of the file, then `torch.load` of the whole thing, then NaN/Inf over "model" only
   (the verifier the issue describes: it never looks at the optimizer state);
-- safepoint: `validate_snapshot` at full coverage: every tensor of model *and* optimizer through the
+- safepoint: `validate_snapshot` at full coverage, in its sandbox (a limited child forked from the
+  single-threaded caller; peak RSS is the larger of the caller's and the child's): every
+  tensor of model *and* optimizer through the
   audit (NaN/Inf, norm, max |x|), plus the strict dry-run load against the model factory
   `bench.validate:build_gpt` (keys, shapes, dtypes, optimizer state vs param groups, step). It does
   not hash: the replicator hashes (BLAKE3) while it uploads and reads back.
@@ -46,6 +48,8 @@ FACTORY = "bench.validate:build_gpt"
 
 # ~356 M parameters: 12 bytes each (fp32 weights + AdamW exp_avg + exp_avg_sq) = ~3.98 GiB.
 CFG = {"vocab": 32000, "ctx": 1024, "d_model": 1024, "heads": 16, "ff": 4096, "layers": 23}
+# A smaller checkpoint for a quick run on a busy machine: SAFEPOINT_BENCH_LAYERS=4 (~1.1 GiB).
+CFG["layers"] = int(os.environ.get("SAFEPOINT_BENCH_LAYERS", CFG["layers"]))
 TRAIN = {"steps": 2, "batch": 2, "seq": 64, "lr": 3e-4, "weight_decay": 0.1, "seed": 0}
 
 
@@ -170,7 +174,9 @@ def child_safepoint(folder: Path, step: int) -> dict:
     report = validate_snapshot(folder, ["model.pt"], model=FACTORY, step=step)
     t2 = time.perf_counter()
     d = report.to_dict()
-    return {"ok": report.ok, "outcome": report.outcome, "bytes_checked": d["bytes_checked"],
+    sandbox = (d["checks"].get("sandbox") or {}).get("usage") or {}
+    return {"ok": report.ok, "sandbox_peak_rss_bytes": sandbox.get("peak_rss_bytes", 0),
+            "outcome": report.outcome, "bytes_checked": d["bytes_checked"],
             "tensors": d["tensors"], "summary": report.summary(), "harness": d["checks"].get("harness"),
             "optimizer_tensors": sum(1 for s in report.stats if s.name.startswith("optimizer.")),
             "phases": {"import": t1 - t0, "validate": t2 - t1}}
@@ -245,6 +251,8 @@ def main() -> int:
             prepare_cache(path, args.cold)
             child = ["--child", name, "--path", str(path if name == "seeds" else folder)]
             res = run_child(child)
+            # validation reads in a sandboxed child (safepoint.sandbox): its peak counts, not just the caller's
+            res["peak_rss_bytes"] = max(res["peak_rss_bytes"], res.get("sandbox_peak_rss_bytes", 0))
             runs[name].append(res)
             print(f"  round {r + 1} {name:9s}: {res['wall_s']:6.2f} s (CPU {res['cpu_s']:5.2f} s), "
                   f"peak RSS {res['peak_rss_bytes'] / GiB:5.2f} GiB (ru_maxrss {res['ru_maxrss_bytes'] / GiB:.2f}), "

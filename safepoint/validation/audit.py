@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from safepoint.core.states import CheckpointState
-from safepoint.validation.loaders.base import Limits, LoadedTensor, TensorSource
+from safepoint.validation.loaders.base import Limits, LoadedTensor, LoadError, Problem, TensorSource
 
 __all__ = [
     "Baseline", "Jump", "TensorStat", "Thresholds", "baseline_from_catalog", "norm_jumps", "stat_keys", "stat_of",
@@ -102,10 +102,9 @@ def _dtype_name(src: TensorSource) -> str:
 
 
 def _readable(src: TensorSource) -> bool:
-    if src.dtype is None:
-        return False
-    t = getattr(src, "tensor", None)
-    return t is None or (t.layout in (torch.strided, torch.sparse_coo) and not t.is_quantized)
+    # Only safetensors' sub-byte floats (F4, F6) have no torch dtype; they have no NaN/Inf encoding.
+    # Every layout is read by pieces() or refused there (LoadError): never skipped as clean.
+    return src.dtype is not None
 
 
 def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems) -> TensorStat:
@@ -130,6 +129,8 @@ def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = 
                 usable = False  # keep reading: a bad chunk further on is still a finding
         del piece
     if not usable:
+        if src.dtype.is_floating_point or src.dtype.is_complex:  # could hold NaN/Inf: fail closed
+            raise LoadError(Problem.UNLOADABLE, f"{name}: the audit cannot read {base['dtype']} values: refused")
         return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0, value=value)
     return TensorStat(**base, norm=math.sqrt(acc.sumsq), max_abs=acc.max_abs, nan_count=acc.nans,
                       inf_count=acc.infs, value=value)

@@ -12,6 +12,10 @@
     device = "meta"                # where the model factory builds the model
     threads = 1                    # torch threads for the stats (0: torch's default); see below
     max_tensor_bytes = 0           # refuse larger tensors (0: no limit); stats_chunk_elems, ...
+    sandbox = true                 # read every file in a child process with the limits below
+    sandbox_memory_bytes = 2147483648  # memory validation may use (files it maps come on top)
+    sandbox_cpu_seconds = 300      # CPU time: this + sandbox_cpu_seconds_per_gib (60) per GiB read
+    sandbox_wall_seconds = 600     # wall clock: this + sandbox_wall_seconds_per_gib (120) per GiB read
 
     [runs.llama-7b]
     model = "mypkg.models:build"   # model factory for the strict dry-run load of this run
@@ -35,15 +39,16 @@ from typing import Any
 from safepoint.core.errors import UsageError
 from safepoint.validation.audit import Thresholds
 from safepoint.validation.loaders.base import Limits, Problem
+from safepoint.validation.sandbox import SANDBOX_KEYS, SandboxLimits, sandbox_limits_from
 
 # Problems that can never be downgraded to warnings: unreadable or unsafe bytes.
-ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING})
+ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING, Problem.LIMIT})
 
 _THRESHOLD_KEYS = {"norm_jump_factor": "norm_jump_factor", "norm_floor": "norm_floor",
                    "norm_jump_min_numel": "min_numel", "norm_jump_ignore": "ignore"}
 _LIMIT_KEYS = {f.name for f in fields(Limits)}
 _OWN_KEYS = {"model", "model_key", "optimizer_key", "step_key", "check_step", "warn_only", "device", "threads"}
-KNOWN_KEYS = frozenset(_OWN_KEYS | set(_THRESHOLD_KEYS) | _LIMIT_KEYS)
+KNOWN_KEYS = frozenset(_OWN_KEYS | set(_THRESHOLD_KEYS) | _LIMIT_KEYS | SANDBOX_KEYS)
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class ValidationSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     warn_only: frozenset[Problem] = frozenset()
     limits: Limits = field(default_factory=Limits)
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # safepoint.sandbox: memory, CPU, wall clock
 
     def failing(self, problem: Problem) -> bool:
         return problem in ALWAYS_FAILING or problem not in self.warn_only
@@ -126,6 +132,8 @@ class ValidationSettings:
             if not isinstance(doc["check_step"], bool):
                 raise bad("check_step", "true or false")
             out = replace(out, check_step=doc["check_step"])
+        if SANDBOX_KEYS & set(doc):
+            out = replace(out, sandbox=sandbox_limits_from(out.sandbox, doc, where=where))
         if "warn_only" in doc:
             v = doc["warn_only"]
             names = {p.value: p for p in Problem}

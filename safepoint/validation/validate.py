@@ -24,6 +24,7 @@ leaves or tensors of any supported file; `tensor_stat(name, t)` computes stats o
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,8 @@ from safepoint.validation.loaders import (
     one_line,
 )
 from safepoint.validation.loaders.dcp import DCP_SUFFIX, METADATA_NAME
+from safepoint.validation.loaders.torchsave import ZIP_MAGIC
+from safepoint.validation.sandbox import note, run_limited
 from safepoint.validation.settings import ValidationSettings
 
 __all__ = [
@@ -253,6 +256,7 @@ class _Validator:
         return self.report
 
     def validate_file(self, rel: str) -> None:
+        note(rel)
         path = self.folder / rel
         try:
             fmt = detect_format(path)
@@ -268,6 +272,8 @@ class _Validator:
             self.add_leaves(rel, iter_file_leaves(path, limits=self.limits, on_problem=errors.append), errors.append)
         except LoadError as e:
             errors.append(e)
+        except MemoryError:
+            raise  # a limit, not a finding about this file (the sandbox reports it)
         except Exception as e:  # a loader bug or an unexpected library error: still data
             errors.append(LoadError(Problem.UNLOADABLE, one_line(e)))
         for e in errors:
@@ -277,6 +283,7 @@ class _Validator:
 
     def validate_dcp(self, meta_rel: str, listed: set[str]) -> set[str]:
         """Validate the DCP checkpoint whose metadata is meta_rel; return the files it claims."""
+        note(meta_rel)
         prefix = meta_rel[: -len(METADATA_NAME)]  # "" or "sub/dir/"
         claimed = {meta_rel}
         try:
@@ -285,6 +292,8 @@ class _Validator:
             self.status(meta_rel, FILE_INVALID)
             self.find(meta_rel, e.problem, f"{meta_rel}: {e.message}")
             return claimed
+        except MemoryError:
+            raise
         except Exception as e:
             self.status(meta_rel, FILE_INVALID)
             self.find(meta_rel, Problem.UNLOADABLE, f"{meta_rel}: {one_line(e)}")
@@ -311,6 +320,8 @@ class _Validator:
             self.add_leaves(meta_rel, ckpt.iter_leaves(on_problem), on_problem)
         except LoadError as e:
             on_problem(e)
+        except MemoryError:
+            raise
         except Exception as e:
             on_problem(LoadError(Problem.UNLOADABLE, one_line(e)))
         return claimed
@@ -395,12 +406,76 @@ def validate_snapshot(
             v.find(rel, Problem.UNSAFE, f"{rel}: symbolic link (snapshots hold regular files only)")
     else:
         file_list = sorted(dict.fromkeys(files))
-    with torch_threads(settings.threads):
-        v.run(file_list)
-    unreadable = any(f.problem in (Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING)
+    if settings.sandbox.enabled:
+        _run_in_sandbox(v, file_list)
+    else:
+        with torch_threads(settings.threads):
+            v.run(file_list)
+    unreadable = any(f.problem in (Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING,
+                                   Problem.LIMIT)
                      for f in v.report.findings)
     if harness is not None and not unreadable:
         v.run_harness(harness, step)
     if baseline is not None and not unreadable:
         v.run_audit(baseline)
     return v.report
+
+
+# ------------------------------------------------------------------------------------------ the sandbox
+
+def read_files(folder: str, files: list[str], settings: ValidationSettings) -> dict[str, Any]:
+    """Read and audit `files` of a snapshot folder (in the sandboxed child); the results as plain data."""
+    v = _Validator(Path(folder), settings)
+    with torch_threads(settings.threads):
+        v.run(files)
+    r = v.report
+    return {"files": r.files, "stats": [s.to_dict() for s in r.stats],
+            "findings": [f.to_dict() for f in r.findings], "warnings": [f.to_dict() for f in r.warnings],
+            "values": [[k, "tuple" if isinstance(x, tuple) else "", list(x) if isinstance(x, tuple) else x]
+                       for k, x in v.values.items()]}
+
+
+def _finding(d: dict[str, Any]) -> Finding:
+    return Finding(str(d["file"]), d.get("tensor"), Problem(d["problem"]), str(d["message"]))
+
+
+def _input_bytes(folder: Path, files: list[str]) -> tuple[int, int]:
+    """(bytes of the files, bytes of those torch.load maps whole: the zip format)."""
+    total = mapped = 0
+    for rel in files:
+        try:
+            path = folder / safe_relpath(rel)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a link or a special file: refused by the validator, never opened here
+            with open(path, "rb") as f:
+                head = f.read(len(ZIP_MAGIC))
+        except (OSError, FormatError):
+            continue
+        total += st.st_size
+        mapped += st.st_size if head == ZIP_MAGIC else 0
+    return total, mapped
+
+
+def _run_in_sandbox(v: _Validator, files: list[str]) -> None:
+    """v.run(files) in a child process with memory, CPU and wall-clock limits (safepoint.sandbox)."""
+    limits = v.settings.sandbox
+    nbytes, mapped = _input_bytes(v.folder, files)
+    out = run_limited(read_files, (os.fspath(v.folder), files, v.settings), limits, input_bytes=nbytes,
+                      mapped_bytes=mapped)
+    v.report.checks["sandbox"] = {"limit": out.limit, "usage": out.usage}
+    if not out.ok:
+        where = out.last_note or "."
+        v.status(where, FILE_INVALID)
+        if out.limit:
+            v.find(where, Problem.LIMIT, f"{where}: {out.limit}")
+        else:
+            v.find(where, Problem.UNLOADABLE, f"{where}: validation failed: {out.error}")
+        return
+    doc = out.value
+    for rel, status in doc["files"].items():
+        v.status(rel, status)
+    v.report.stats.extend(TensorStat(**{**s, "shape": tuple(s["shape"])}) for s in doc["stats"])
+    v.report.findings.extend(_finding(f) for f in doc["findings"])
+    v.report.warnings.extend(_finding(f) for f in doc["warnings"])
+    v.values.update({k: tuple(x) if kind == "tuple" else x for k, kind, x in doc["values"]})

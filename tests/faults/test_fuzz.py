@@ -1,7 +1,7 @@
 """Fuzz targets for the parsers that read bytes we do not trust (hypothesis, with a budget).
 
 Targets: safepoint.format.parse_manifest, parse_marker and load_committed (manifest and marker
-from disks and servers), and the safetensors header parser (safepoint.loaders.safetensors_file).
+from disks and servers), and the safetensors header parser (safepoint.validation.loaders.safetensors_file).
 The only acceptable outcomes are a parsed value that satisfies the format's rules, or the one
 typed error (FormatError, LoadError(MALFORMED)); never another exception, never unbounded time.
 
@@ -187,3 +187,78 @@ def test_fuzz_safetensors_header(tmp_path) -> None:
     assert budget.slowest < 2.0
     figures("fuzz safetensors header", inputs=budget.n, seconds=SECONDS,
             slowest_ms=round(budget.slowest * 1000, 1), crashes=0)
+
+
+# ------------------------------------------------------------------------------------------ DCP .metadata
+
+# Opcodes a hostile .metadata may string together (with their arguments), for the raw-opcode strategy.
+_OPS = [b"(", b")", b"]", b"}", b"N", b"\x88", b"\x89", b"K\x07", b"J\xff\xff\xff\xff", b"\x8a\x01\x80", b"a", b"e",
+        b"s", b"u", b"t", b"\x85", b"\x86", b"\x87", b"l", b"d", b"0", b"1", b"2", b"\x94", b"h\x00", b"h\x01",
+        b"q\x05", b"R", b"\x81", b"b", b"\x93", b"\x8c\x05torch", b"\x8c\x04Size", b"\x8c\x07_dynamo",
+        b"cpathlib\nPurePath\n", b"ctorch\nfloat32\n", b"cos\nsystem\n", b"ctorch\n_dynamo\n",
+        b"ctorch.distributed.checkpoint.metadata\nMetadata\n", b"ccollections\nOrderedDict\n", b"\x8c\x04_str",
+        b"i", b"o", b"P", b"Q", b"\x8f", b"\x91", b"\x92", b"\x95\x00\x00\x00\x00\x00\x00\x00\x00", b"G" + bytes(8)]
+
+
+def _dcp_metadata_sample() -> bytes:
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(16.0).reshape(4, 4), "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}, checkpoint_id=d)
+        return (Path(d) / ".metadata").read_bytes()
+
+
+def test_fuzz_dcp_metadata() -> None:
+    """Arbitrary pickle byte strings into the .metadata reader: a Metadata whose chunks tile each tensor, or
+    LoadError (UNSAFE/MALFORMED); never another exception, a hang, an import, or a change to the process."""
+    import pathlib
+    import sys
+
+    from safepoint.validation.loaders.dcp_metadata import MAX_MESSAGE, decode_metadata
+    from safepoint.validation.loaders.dcp_tiling import tiling_problem
+
+    budget = Budget(SECONDS)
+    valid = _dcp_metadata_sample()
+    limits = Limits(max_dcp_metadata_objects=100_000)
+    modules = frozenset(sys.modules)
+    path_str = str(pathlib.PurePath("a/b"))
+    path_attrs = dict(vars(pathlib.PurePath))
+
+    def opcodes(draw) -> bytes:
+        ops = draw(st.lists(st.sampled_from(_OPS), max_size=60))
+        return b"\x80\x04" + b"".join(ops) + b"."
+
+    @FUZZ
+    @given(st.data())
+    def one(data) -> None:
+        budget.n += 1
+        kind = data.draw(st.integers(0, 2))
+        raw = opcodes(data.draw) if kind == 0 else _mutate(valid, data.draw, structured=opcodes) if kind == 1 else \
+            data.draw(st.binary(max_size=256))
+        t = time.perf_counter()
+        try:
+            md = decode_metadata(raw, limits)
+        except LoadError as e:
+            assert e.problem in (Problem.UNSAFE, Problem.MALFORMED) and 0 < len(e.message) <= MAX_MESSAGE
+        else:
+            for item in md.state_dict_metadata.values():
+                chunks = getattr(item, "chunks", None)
+                if chunks is not None:
+                    tiling_problem(tuple(item.size), [(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
+        budget.slowest = max(budget.slowest, time.perf_counter() - t)
+
+    budget.run(one)
+    new = sorted(m for m in set(sys.modules) - modules if m.split(".")[0] in ("torch", "sympy", "os", "pathlib",
+                                                                            "subprocess", "functorch"))
+    assert not new, f"the reader imported {new[:10]}"   # (hypothesis itself imports numpy.random, hmac, ...)
+    assert str(pathlib.PurePath("a/b")) == path_str and dict(vars(pathlib.PurePath)) == path_attrs
+    assert budget.n > 50
+    assert budget.slowest < 2.0
+    figures("fuzz DCP .metadata", inputs=budget.n, seconds=SECONDS, slowest_ms=round(budget.slowest * 1000, 1),
+            crashes=0)

@@ -152,6 +152,28 @@ def _dcp_truncated(tmp_path, template, step):
     return folder
 
 
+@case("DCP .metadata whose BUILD steers pathlib", CS.INVALID, "BUILD on the name pathlib.PurePath")
+def _dcp_build(tmp_path, template, step):
+    from tests.test_dcp_metadata import build_on_purepath
+
+    folder = tmp_path / "nvme" / "dcp-build"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(build_on_purepath())
+    commit(folder, "hostile", step)
+    return folder
+
+
+@case("DCP .metadata hash bomb", CS.INVALID, "not a string")
+def _dcp_hash_bomb(tmp_path, template, step):
+    from tests.test_dcp_metadata import hash_bomb
+
+    folder = tmp_path / "nvme" / "dcp-hash"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(hash_bomb())
+    commit(folder, "hostile", step)
+    return folder
+
+
 @case("0-byte checkpoint file", CS.INVALID, "model.pt: truncated")
 def _zero(tmp_path, template, step):
     folder = tmp_path / "nvme" / "zero"
@@ -204,7 +226,7 @@ def test_manifest_without_marker_does_not_exist(tmp_path, template, sqlite_catal
     """docs/format.md: a folder without COMMITTED does not exist for Safepoint. It is refused with a
     clear error and never cataloged (there is nothing to call valid or corrupt yet)."""
     from safepoint.core.errors import FormatError
-    from safepoint.events.watch import pending_snapshots
+    from safepoint.events.markers.watch import pending_snapshots
     from safepoint.ops import ingest as pipeline
 
     folder = _committed(tmp_path, template, "manifest-only", 99)
@@ -220,7 +242,7 @@ def test_manifest_without_marker_does_not_exist(tmp_path, template, sqlite_catal
 def test_refused_folder_is_not_retried_by_watch(tmp_path, template, sqlite_catalog):
     """Quarantined as corrupt, a refused folder stops being pending for `watch`."""
     from safepoint.core.errors import FormatError
-    from safepoint.events.watch import pending_snapshots
+    from safepoint.events.markers.watch import pending_snapshots
     from safepoint.ops import ingest as pipeline
 
     folder = _committed(tmp_path, template, "refused", 7)

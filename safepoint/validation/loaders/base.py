@@ -32,6 +32,8 @@ class Problem(str, Enum):
     LOAD = "load"                      # the model's own load_state_dict (dry run on meta) refused it
     # Numerical audit against the previous verified checkpoint (safepoint.audit):
     NORM_JUMP = "norm_jump"            # a tensor's norm moved by more than the configured factor
+    # The validation sandbox (safepoint.sandbox):
+    LIMIT = "limit"                    # validation ran past its memory, CPU or wall-clock limit
 
     def __str__(self) -> str:
         return self.value
@@ -43,6 +45,7 @@ class Limits:
 
     max_safetensors_header_bytes: int = 100 * MiB
     max_dcp_metadata_bytes: int = 512 * MiB
+    max_dcp_metadata_objects: int = 4_000_000  # objects made and memo entries fetched while decoding .metadata
     max_dcp_bytes_entry: int = 64 * MiB       # a non-tensor DCP entry (e.g. param_groups)
     max_tensor_bytes: int | None = None       # refuse to materialize a bigger tensor (None: no limit)
     stats_chunk_elems: int = 1 << 20          # elements per piece when computing stats (fits in L2/L3)
@@ -152,14 +155,21 @@ class LoadedTensor(TensorSource):
 
     def pieces(self, max_elems: int) -> Iterator[torch.Tensor]:
         t = self.tensor
+        if t.is_quantized:
+            raise LoadError(Problem.UNLOADABLE, "quantized tensors cannot be audited: refused")
         if t.layout == torch.sparse_coo:
             t = t._values()  # stored values: NaN/Inf and max |x| are exact, the norm counts duplicates
+        elif t.layout in _COMPRESSED:
+            t = t.values()   # CSR/CSC/BSR/BSC: every stored value (blocks included)
         elif t.layout != torch.strided:
-            raise LoadError(Problem.UNLOADABLE, f"unsupported tensor layout {t.layout}")
+            raise LoadError(Problem.UNLOADABLE, f"{t.layout} tensors cannot be audited: refused")
         for piece in _flat_pieces(t, max(1, max_elems)):
             yield piece
             if self._release is not None:
                 self._release(piece)
+
+
+_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 
 
 def _flat_pieces(t: torch.Tensor, max_elems: int) -> Iterator[torch.Tensor]:

@@ -2,20 +2,18 @@
 
 DCP's `.metadata` is a pickle (protocol 4) that torch itself reads with plain `pickle.load`, and
 torch's weights-only unpickler (torch 2.13) refuses protocol 4 (FRAME, SHORT_BINUNICODE, ...). So it is
-read here with a restricted unpickler whose `find_class` only resolves an explicit allow-list of DCP's
-metadata dataclasses, torch.Size, dtypes and layouts: a pickle that names any other global (os.system,
-builtins.eval, ...) is refused before anything is called. Tensor chunks and non-tensor entries are
-read directly from the `.distcp` files at the offsets in the metadata and loaded with
+decoded by our own reader of the opcode stream (safepoint.loaders.dcp_metadata), which builds DCP's
+metadata dataclasses from checked plain values and never imports, calls or hashes anything the file
+names; each tensor's chunks must then tile it exactly (safepoint.loaders.dcp_tiling). Tensor chunks
+and non-tensor entries are read directly from the `.distcp` files at the offsets in the metadata and loaded with
 `torch.load(weights_only=True)`; tensors are reassembled to their global shape one at a time.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 import math
 import os
-import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -36,37 +34,12 @@ from safepoint.validation.loaders.base import (
     one_line,
     raise_problem,
 )
+from safepoint.validation.loaders.dcp_metadata import clip, decode_metadata
+from safepoint.validation.loaders.dcp_tiling import tiling_problem
 from safepoint.validation.loaders.torchsave import torch_load_safely
 
 METADATA_NAME = ".metadata"
 DCP_SUFFIX = ".distcp"
-
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-_DCP_FS = "torch.distributed.checkpoint.filesystem"
-_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    [(_DCP_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
-    + [(_DCP_FS, "_StorageInfo"), (_DCP_FS, "_StoragePrefix")]
-    # older torch versions kept TensorProperties with the sharded tensor metadata
-    + [("torch.distributed._shard.sharded_tensor.metadata", n) for n in ("TensorProperties", "MEM_FORMAT_ENCODING")]
-    + [("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")]
-    + [(m, n) for m in ("pathlib", "pathlib._local")
-       for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path", "PurePath")]
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only allow-listed globals; everything else is refused (nothing is called)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return getattr(importlib.import_module(module), name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
 
 
 def read_metadata(path: str | os.PathLike, limits: Limits = Limits()) -> Any:
@@ -85,19 +58,10 @@ def read_metadata(path: str | os.PathLike, limits: Limits = Limits()) -> Any:
                         f"{limits.max_dcp_metadata_bytes}-byte limit")
     with open(path, "rb") as f:
         data = f.read(size + 1)
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        if "not allowed" in str(e):
-            raise LoadError(Problem.UNSAFE, f"DCP .metadata refused: {e}") from None
-        raise LoadError(Problem.MALFORMED, f"DCP .metadata: corrupt pickle ({one_line(e)})") from None
-    except EOFError:
-        raise LoadError(Problem.MALFORMED, "DCP .metadata is truncated (pickle ends early)") from None
-    except Exception as e:
-        raise LoadError(Problem.MALFORMED, f"DCP .metadata: cannot unpickle ({one_line(e)})") from None
+    md = decode_metadata(data, limits)
 
     def bad(why: str) -> LoadError:
-        return LoadError(Problem.MALFORMED, f"DCP .metadata: {why}")
+        return LoadError(Problem.MALFORMED, clip(f"DCP .metadata: {why}"))
 
     if not isinstance(md, Metadata):
         raise bad(f"not a DCP Metadata object ({type(md).__name__})")
@@ -119,7 +83,7 @@ def read_metadata(path: str | os.PathLike, limits: Limits = Limits()) -> Any:
         try:
             safe_relpath(info.relative_path)
         except FormatError as e:
-            raise LoadError(Problem.UNSAFE, f"DCP .metadata: {idx.fqn}: {e}") from None
+            raise LoadError(Problem.UNSAFE, clip(f"DCP .metadata: {idx.fqn}: {e}")) from None
         if info.transform_descriptors is not None and (
                 not isinstance(info.transform_descriptors, (list, tuple))
                 or not all(isinstance(d, str) for d in info.transform_descriptors)):
@@ -135,16 +99,9 @@ def _check_tensor_md(fqn: str, item: Any, bad: Any) -> None:
         raise bad(f"{fqn}: bad size {item.size!r}")
     if not isinstance(item.chunks, list):
         raise bad(f"{fqn}: chunks is not a list")
-    covered = 0
-    for c in item.chunks:
-        offs, sizes = tuple(c.offsets), tuple(c.sizes)
-        if len(offs) != len(item.size) or len(sizes) != len(item.size):
-            raise bad(f"{fqn}: chunk rank does not match the tensor's")
-        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, item.size)):
-            raise bad(f"{fqn}: chunk at {list(offs)} of size {list(sizes)} is outside {list(item.size)}")
-        covered += math.prod(sizes)
-    if covered != math.prod(item.size):
-        raise bad(f"{fqn}: chunks cover {covered} of {math.prod(item.size)} elements")
+    problem = tiling_problem(tuple(item.size), [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks])
+    if problem:
+        raise bad(f"{fqn}: {problem}")
 
 
 class _FileSlice(io.RawIOBase):

@@ -1,0 +1,284 @@
+"""Run untrusted-input work in a child process with memory, CPU-time and wall-clock limits.
+
+Validation reads bytes someone else wrote; a bug or a hole in a loader must cost at most a bounded
+amount of memory and time, and never the calling process (an ingest loop, a Prefect worker). So
+`run_limited(fn, args, limits)` runs `fn(*args)` in a child and returns what it returned as plain
+data (JSON: a compromised child cannot send back anything that runs), or the limit it hit:
+
+- memory: `RLIMIT_AS` = the child's size at start + `memory_bytes` + the bytes of the files it may
+  map (torch.save zip files are memory-mapped, which costs address space, not memory; validation
+  streams, so `memory_bytes` does not grow with the checkpoint); the parent also watches the
+  child's anonymous resident memory (RssAnon) against the same allowance;
+- CPU: `RLIMIT_CPU` = `cpu_seconds` + `cpu_seconds_per_gib` per GiB of input (SIGXCPU, then SIGKILL);
+- wall clock: `wall_seconds` + `wall_seconds_per_gib` per GiB; past it the child is killed.
+
+Children are forked (`sandbox_start_method = "auto"`): straight from the caller when it has a single
+thread (a CLI run: nothing else can hold a lock at fork time, and the fork costs milliseconds where a
+fresh interpreter would import torch again), else from a fork server that has imported the validation
+code (torch included) once and holds none of the caller's state (a Prefect worker, an ingest loop
+with threads). "forkserver", "fork" and "spawn" can be chosen explicitly.
+`note(text)` lets the child say what it is working on, so a limit names the file it stopped in.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import resource
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from safepoint.core.errors import UsageError
+
+GiB = 1 << 30
+MiB = 1 << 20
+_POLL_S = 0.05
+_MAX_RESULT_BYTES = 1 << 30
+_START_METHODS = ("auto", "forkserver", "spawn", "fork")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """`[validation]` keys `sandbox`, `sandbox_memory_bytes`, `sandbox_cpu_seconds`, ... (defaults below)."""
+
+    enabled: bool = True
+    memory_bytes: int = 2 * GiB          # memory the work may add to the child's start-up size
+    cpu_seconds: int = 300
+    cpu_seconds_per_gib: int = 60        # reading and auditing take about 1 CPU-second per GiB
+    wall_seconds: int = 600
+    wall_seconds_per_gib: int = 120      # i.e. slower than ~8 MiB/s is a stuck read, not a slow disk
+    start_method: str = "auto"          # fork when the caller is single-threaded, else the fork server
+    preload: tuple[str, ...] = ("safepoint.validation.validate",)
+
+    def cpu_limit(self, nbytes: int) -> int:
+        return self.cpu_seconds + -(-self.cpu_seconds_per_gib * nbytes // GiB)
+
+    def wall_limit(self, nbytes: int) -> int:
+        return self.wall_seconds + -(-self.wall_seconds_per_gib * nbytes // GiB)
+
+
+_INT_KEYS = {"sandbox_memory_bytes": "memory_bytes", "sandbox_cpu_seconds": "cpu_seconds",
+             "sandbox_cpu_seconds_per_gib": "cpu_seconds_per_gib", "sandbox_wall_seconds": "wall_seconds",
+             "sandbox_wall_seconds_per_gib": "wall_seconds_per_gib"}
+SANDBOX_KEYS = frozenset({"sandbox", "sandbox_start_method", *_INT_KEYS})
+
+
+def sandbox_limits_from(current: SandboxLimits, doc: dict[str, Any], *, where: str) -> SandboxLimits:
+    """`current` with the sandbox keys of a `[validation]` table applied. Raises UsageError."""
+    out = current
+    if "sandbox" in doc:
+        if not isinstance(doc["sandbox"], bool):
+            raise UsageError(f"{where}: sandbox must be true or false, got {doc['sandbox']!r}")
+        out = replace(out, enabled=doc["sandbox"])
+    for key, attr in _INT_KEYS.items():
+        if key in doc:
+            v = doc[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UsageError(f"{where}: {key} must be a positive integer, got {v!r}")
+            out = replace(out, **{attr: v})
+    if "sandbox_start_method" in doc:
+        v = doc["sandbox_start_method"]
+        if v not in _START_METHODS:
+            raise UsageError(f"{where}: sandbox_start_method must be one of {', '.join(_START_METHODS)}, got {v!r}")
+        out = replace(out, start_method=v)
+    return out
+
+
+@dataclass
+class Outcome:
+    """What a limited run gave: `value` (plain data) when it finished, else `limit` or `error` says why."""
+
+    value: Any = None
+    limit: str | None = None        # "validation exceeded ..." when a limit stopped it
+    error: str | None = None        # it crashed or failed without hitting a limit
+    last_note: str | None = None    # what the child last said it was working on
+    usage: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.limit is None and self.error is None
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / GiB:g} GiB" if n >= GiB and n % (GiB // 4) == 0 else f"{n / MiB:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------------ the child
+
+_note_conn: Any = None
+
+
+def note(text: str) -> None:
+    """In a sandboxed child: report progress to the parent (no-op elsewhere)."""
+    if _note_conn is not None:
+        _note_conn.send_bytes(json.dumps({"note": text[:1000]}).encode())
+
+
+def _vm(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _child(conn: Any, fn: Callable[..., Any], args: tuple, memory: int, cpu: int) -> None:
+    global _note_conn
+    _note_conn = conn
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    base = _vm("VmSize")
+    conn.send_bytes(json.dumps({"start": _vm("RssAnon")}).encode())
+    if base:
+        resource.setrlimit(resource.RLIMIT_AS, (base + memory, base + memory))
+    t0 = time.monotonic()
+    try:
+        value = fn(*args)
+        msg: dict[str, Any] = {"value": value}
+    except MemoryError:
+        value = None
+        msg = {"memory": True}
+    except BaseException as e:  # a bug is reported as data, never raised into the parent
+        msg = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    msg["usage"] = {"peak_rss_bytes": _vm("VmHWM"), "cpu_s": round(ru.ru_utime + ru.ru_stime, 3),
+                    "wall_s": round(time.monotonic() - t0, 3), "address_space_limit": base + memory if base else None}
+    try:
+        conn.send_bytes(json.dumps(msg, allow_nan=True).encode())
+    except MemoryError:
+        conn.send_bytes(b'{"memory": true}')
+
+
+# ------------------------------------------------------------------------------------------ the parent
+
+_contexts: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _single_threaded() -> bool:
+    """Only this thread exists (native threads included), so no lock can be held by another at fork."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def start_method(limits: SandboxLimits) -> str:
+    if limits.start_method != "auto":
+        return limits.start_method
+    return "fork" if _single_threaded() else "forkserver"
+
+
+def _context(limits: SandboxLimits) -> Any:
+    key = start_method(limits)   # one fork server per process: the first preload list is the one it keeps
+    with _lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            ctx = multiprocessing.get_context(key)
+            if key == "forkserver":
+                ctx.set_forkserver_preload(list(limits.preload))
+            _contexts[key] = ctx
+        return ctx
+
+
+def _rss_anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, input_bytes: int = 0,
+                mapped_bytes: int = 0) -> Outcome:
+    """Run `fn(*args)` (a module-level function returning JSON-able data) in a limited child process."""
+    memory = limits.memory_bytes + mapped_bytes
+    cpu, wall = limits.cpu_limit(input_bytes), limits.wall_limit(input_bytes)
+    ctx = _context(limits)
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(send, fn, args, memory, cpu))   # joined or killed below, always
+    p.start()
+    send.close()
+    deadline = time.monotonic() + wall
+    out = Outcome()
+    msg: dict[str, Any] | None = None
+    rss0 = 0
+    killed: str | None = None
+    try:
+        while True:
+            if recv.poll(_POLL_S):
+                try:
+                    data = recv.recv_bytes(_MAX_RESULT_BYTES)
+                except (EOFError, OSError):
+                    break
+                doc = json.loads(data)
+                if isinstance(doc, dict) and set(doc) == {"note"}:
+                    out.last_note = str(doc["note"])
+                    continue
+                if isinstance(doc, dict) and set(doc) == {"start"}:
+                    rss0 = int(doc["start"] or 0)
+                    continue
+                msg = doc if isinstance(doc, dict) else {"error": "the sandbox sent a malformed result"}
+                break
+            if not p.is_alive():
+                if not recv.poll(0):
+                    break
+                continue
+            if rss0 and _rss_anon(p.pid) - rss0 > limits.memory_bytes:
+                killed = f"validation exceeded {human_bytes(limits.memory_bytes)} of memory"
+                break
+            if time.monotonic() > deadline:
+                killed = f"validation exceeded its wall clock of {wall} s"
+                break
+    finally:
+        if killed or msg is None:
+            if p.is_alive():
+                p.kill()
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        recv.close()
+    if killed:
+        out.limit = killed
+    elif msg is None:
+        code = p.exitcode
+        if code == -signal.SIGXCPU:
+            out.limit = f"validation exceeded {cpu} s of CPU time"
+        elif code == -signal.SIGKILL:
+            out.limit = f"validation was killed (over {cpu} s of CPU time, or out of memory)"
+        else:
+            out.error = f"the validation process died ({_exit_text(code)})"
+    elif msg.get("memory"):
+        out.limit = f"validation exceeded {human_bytes(limits.memory_bytes)} of memory"
+    elif "error" in msg:
+        out.error = str(msg["error"])
+    else:
+        out.value = msg.get("value")
+    out.usage = msg.get("usage") if msg else None
+    return out
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+__all__ = ["SANDBOX_KEYS", "Outcome", "SandboxLimits", "note", "run_limited", "sandbox_limits_from"]

@@ -1,0 +1,135 @@
+"""The sandbox (safepoint.validation.sandbox): work past a limit ends with that limit named, never hangs the caller;
+results come back as plain data; settings come from `[validation]`."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from safepoint.core.errors import UsageError
+from safepoint.validation.sandbox import SandboxLimits, note, run_limited
+from safepoint.validation.settings import ValidationSettings
+from safepoint.validation.validate import validate_snapshot
+
+FAST = SandboxLimits(memory_bytes=64 << 20, cpu_seconds=3, cpu_seconds_per_gib=0, wall_seconds=60,
+                     wall_seconds_per_gib=0)   # a generous wall clock: the test machine is busy
+
+
+def add(a: int, b: int) -> dict:
+    return {"sum": a + b, "nested": [1.5, None, "x"]}
+
+
+def allocate(n: int) -> int:
+    note("allocating")
+    return len(bytearray(n))
+
+
+def spin() -> None:
+    note("spinning")
+    while True:
+        pass
+
+
+def sleep() -> None:
+    note("sleeping")
+    time.sleep(60)
+
+
+def crash() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def fail() -> None:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("method", ["auto", "forkserver", "fork"])
+def test_value_comes_back_as_plain_data(method):
+    out = run_limited(add, (2, 3), replace(FAST, start_method=method))
+    assert out.ok and out.value == {"sum": 5, "nested": [1.5, None, "x"]}
+    assert out.usage["peak_rss_bytes"] > 0
+
+
+def test_memory_limit():
+    out = run_limited(allocate, (1 << 30,), FAST)
+    assert out.limit == "validation exceeded 64 MiB of memory" and out.last_note == "allocating"
+
+
+def map_file(path: str) -> int:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        return sum(m[i] for i in range(0, len(m), 64 << 20)) + len(m)   # a few pages: kernel time counts as CPU
+
+
+def test_address_space_for_mapped_files_comes_on_top(tmp_path):
+    """Mapping a file costs address space, not memory: the allowance grows by the files' size, anonymous
+    memory (watched in the parent) does not."""
+    path = tmp_path / "big"
+    with open(path, "wb") as f:
+        f.truncate(256 << 20)
+    assert not run_limited(map_file, (str(path),), FAST).ok
+    assert run_limited(map_file, (str(path),), FAST, mapped_bytes=256 << 20).value == 256 << 20
+    assert run_limited(allocate, (96 << 20,), FAST, mapped_bytes=256 << 20).limit == \
+        "validation exceeded 64 MiB of memory"
+
+
+def test_cpu_limit():
+    t0 = time.monotonic()
+    out = run_limited(spin, (), replace(FAST, cpu_seconds=2, wall_seconds=120))
+    assert out.limit == "validation exceeded 2 s of CPU time" and out.last_note == "spinning"
+    assert time.monotonic() - t0 < 120
+
+
+def test_wall_clock():
+    t0 = time.monotonic()
+    out = run_limited(sleep, (), replace(FAST, wall_seconds=5))
+    assert out.limit == "validation exceeded its wall clock of 5 s" and out.last_note == "sleeping"
+    assert time.monotonic() - t0 < 30
+
+
+def test_crash_and_exception_are_errors_not_values():
+    out = run_limited(crash, (), FAST)
+    assert not out.ok and out.limit is None and "SIGSEGV" in out.error
+    out = run_limited(fail, (), FAST)
+    assert out.error == "RuntimeError: boom"
+
+
+def test_limits_scale_with_the_input():
+    lim = SandboxLimits(cpu_seconds=10, cpu_seconds_per_gib=3, wall_seconds=20, wall_seconds_per_gib=7)
+    assert (lim.cpu_limit(0), lim.cpu_limit(1 << 30), lim.cpu_limit(5 << 30)) == (10, 13, 25)
+    assert (lim.wall_limit(0), lim.wall_limit((1 << 30) + 1)) == (20, 28)   # rounded up
+
+
+@pytest.mark.parametrize("doc, error", [
+    ({"sandbox": "yes"}, "sandbox must be true or false"),
+    ({"sandbox_memory_bytes": 0}, "positive integer"),
+    ({"sandbox_cpu_seconds": -1}, "positive integer"),
+    ({"sandbox_start_method": "thread"}, "one of auto, forkserver"),
+])
+def test_bad_settings(doc, error):
+    with pytest.raises(UsageError, match=error):
+        ValidationSettings.from_mapping(doc)
+
+
+def test_settings():
+    s = ValidationSettings.from_mapping({"sandbox": False, "sandbox_memory_bytes": 1 << 30, "sandbox_wall_seconds": 9})
+    assert (s.sandbox.enabled, s.sandbox.memory_bytes, s.sandbox.wall_seconds) == (False, 1 << 30, 9)
+    assert ValidationSettings().sandbox.enabled
+
+
+def test_validation_past_its_limit_is_invalid_with_the_reason(tmp_path):
+    """The legacy torch.save format cannot be mapped: loading it takes memory the limit does not give."""
+    torch.save({"w": torch.zeros(48 << 20, dtype=torch.uint8)}, tmp_path / "model.pt",
+               _use_new_zipfile_serialization=False)
+    settings = ValidationSettings.from_mapping({"sandbox_memory_bytes": 4 << 20})
+    report = validate_snapshot(tmp_path, ["model.pt"], settings=settings)
+    assert report.outcome == "invalid"
+    [f] = report.findings
+    assert f.file == "model.pt" and f.problem.value in ("limit", "unloadable")
+    assert "memory" in f.message or "allocate" in f.message
+    assert validate_snapshot(tmp_path, ["model.pt"]).outcome == "verified"   # the defaults give it room
