@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -14,7 +13,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from flows.local_server import ensure_api
+from safepoint.cli_guard import guarded
 from safepoint.errors import SafepointError, UsageError
+from safepoint.quiet import quiet_prefect
 
 EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
 # Modules that add subcommands (see build_parser); absent ones are skipped.
@@ -23,6 +25,7 @@ EXTENSIONS = (
     "safepoint.cli_validation", # show
     "safepoint.cli_events",     # serve, watch --emit
     "safepoint.cli_repair",     # reconcile, scrub
+    "safepoint.cli_server",     # server start|stop|status
 )
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -277,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_ingest)
+    s.set_defaults(fn=cmd_ingest, prefect=True)
 
     s = sub.add_parser("watch", help="ingest committed snapshots that appear under ROOT")
     s.add_argument("root")
@@ -285,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model")
     s.add_argument("--once", action="store_true", help="one pass, then exit")
     s.add_argument("--interval", type=float, default=5.0)
-    s.set_defaults(fn=cmd_watch)
+    s.set_defaults(fn=cmd_watch, prefect=True)
 
     s = sub.add_parser("ls", help="list checkpoints")
     s.add_argument("--run")
@@ -327,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")
     s.add_argument("--dir", help="work folder (default: a new temporary folder)")
-    s.set_defaults(fn=cmd_demo)
+    s.set_defaults(fn=cmd_demo, prefect=True)
 
     # Command groups that live in their own modules: each has `register(subparsers)`.
     import importlib
@@ -344,30 +347,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     words = list(argv) if argv is not None else sys.argv[1:]
-    if "-v" not in words and "--verbose" not in words:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    verbose = "-v" in words or "--verbose" in words
+    quiet_prefect(verbose)
+    return guarded(lambda: _dispatch(argv, verbose), verbose=verbose, stderr=sys.stderr)
+
+
+def _dispatch(argv: Sequence[str] | None, verbose: bool) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on usage errors already
-        return int(e.code or 0)
+    args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.fn(args)
-    except UsageError as e:
-        err.print(f"safepoint: error: {e}")
-        return EXIT_ERROR
-    except SafepointError as e:
-        err.print(f"safepoint: {e}")
-        return EXIT_ERROR
-    except (OSError, ValueError) as e:
-        from safepoint.redact import redact
-
-        err.print(f"safepoint: error: {redact(str(e))}")
-        return EXIT_ERROR
+    if getattr(args, "prefect", False):  # commands that run flows or talk to Prefect's API
+        ensure_api(on_start=lambda text: err.print(text))
+    return args.fn(args)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def register(sub) -> None:
     s.add_argument("--timeout", type=float, help="multi-node timeout in seconds ([multinode] timeout_s)")
     s.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port")
     s.add_argument("--metrics-addr", default="127.0.0.1")
-    s.set_defaults(fn=cmd_serve)
+    s.set_defaults(fn=cmd_serve, prefect=True)
 
     w = sub.choices.get("watch")
     if w is not None:
@@ -160,7 +160,7 @@ def register(sub) -> None:
         w.add_argument("--no-timeouts", action="store_true", help="do not apply multi-node timeouts here")
         w.add_argument("--timeouts-every", type=float, default=10.0,
                        help="seconds between multi-node timeout checks (cheap catalog queries)")
-        w.set_defaults(fn=cmd_watch)
+        w.set_defaults(fn=cmd_watch, prefect=True)
 
     s = sub.add_parser("metrics", help="print Safepoint's Prometheus metrics once")
     s.set_defaults(fn=cmd_metrics)
