@@ -181,10 +181,16 @@ def cmd_resume_point(args) -> int:
 def cmd_verify(args) -> int:
     from safepoint import progress
     from safepoint.config import load_config
-    from safepoint.pipeline import verify_url
+    from safepoint.verify_local import verify_unknown_local
 
     with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
-        report, where = verify_url(_catalog(args), args.url, load_config())
+        config = load_config()
+        found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
+        if found is None:
+            from safepoint.pipeline import verify_url  # opens the catalog (SQLAlchemy): only when it is needed
+
+            found = verify_url(_catalog(args), args.url, config)
+        report, where = found
     good = report.outcome.value == "verified"
     (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
     return EXIT_OK if good else EXIT_BAD
