@@ -159,7 +159,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         for p in (watch, serve):
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                p.send_signal(signal.SIGTERM)  # SIGINT is ignored by background jobs of a shell
         for p in (watch, serve):
             try:
                 p.wait(60)
