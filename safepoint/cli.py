@@ -356,10 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(argv) if argv is not None else sys.argv[1:]
     verbose = "-v" in words or "--verbose" in words
     quiet_prefect(verbose)
-    return guarded(lambda: _dispatch(argv, verbose), verbose=verbose, stderr=sys.stderr)
+    return guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
 
 
-def _dispatch(argv: Sequence[str] | None, verbose: bool) -> int:
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
