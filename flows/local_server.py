@@ -161,6 +161,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def chosen_port() -> int:
+    """PREFECT_SERVER_API_PORT if the user set it in the environment, else a free port (4200 may be theirs)."""
+    if os.environ.get("PREFECT_SERVER_API_PORT"):
+        from prefect.settings import get_current_settings
+
+        return int(get_current_settings().server.api.port)
+    return free_port()
+
+
 def _server_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(home)
@@ -171,7 +180,7 @@ def _server_env(home: Path) -> dict[str, str]:
 def _spawn(home: Path) -> ServerState:
     import prefect
 
-    port = free_port()
+    port = chosen_port()
     log = open(home / LOG_NAME, "ab")  # noqa: SIM115 - handed to the child
     try:
         proc = subprocess.Popen(
