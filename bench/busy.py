@@ -157,6 +157,7 @@ def main() -> None:
                 break
             time.sleep(0.5)
         dt = time.perf_counter() - t0
+        time.sleep(5)  # let the watcher see ingest.done and empty its spool before it is stopped
         for p in (watch, serve):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # SIGINT is ignored by background jobs of a shell

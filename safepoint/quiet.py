@@ -7,6 +7,7 @@ the UI shows them; only the console handlers are raised to CRITICAL.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -24,3 +25,6 @@ def quiet_prefect(verbose: bool) -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     warnings.filterwarnings("ignore", module=r"prefect(\..*)?$")
+    # Prefect's runner (`serve`) exits on SIGTERM by sys.exit inside its event loop; asyncio then logs
+    # the cancelled control-channel task as an ERROR with two tracebacks. Shutdown noise, not a failure.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
