@@ -82,7 +82,7 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
 
     def spawn(name: str, *a: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", *a], env=dict(env, **server.env()),
+        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli", *a], env=dict(env, **server.env()),
                              stdout=open(work / f"{name}.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                              start_new_session=True)
         procs.append(p)

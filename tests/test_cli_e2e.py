@@ -203,7 +203,7 @@ def test_cli_as_a_real_process(env, tmp_path, prefect_api):
     folder = nvme / "proc" / "s1"
     make_torch_save_ckpt(folder)
     environ = {**os.environ, "PREFECT_API_URL": prefect_api}
-    exe = [sys.executable, "-m", "safepoint.cli.main"]
+    exe = [sys.executable, "-m", "safepoint.cli"]
     subprocess.run([*exe, "commit", folder, "--run", "proc", "--step", "1"], check=True, env=environ)
     r = subprocess.run([*exe, "--catalog", cat, "ingest", folder, "--to", durable, "--json"],
                        env=environ, capture_output=True, text=True)

@@ -213,7 +213,7 @@ def test_kill9_mid_upload_then_resume(s3_env, prefect_api, sqlite_catalog_url, t
     folder = committed_ckpt(tmp_path / "nvme", "kill", 5, big_mib=12)
     stall = fault_proxy.add(Fault("stall", method="PUT", match="partNumber=2", where="request", delay=120))
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "AWS_ENDPOINT_URL": fault_proxy.endpoint}
-    proc = subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", "--catalog", cat, "ingest", str(folder),
+    proc = subprocess.Popen([sys.executable, "-m", "safepoint.cli", "--catalog", cat, "ingest", str(folder),
                              "--to", url], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert stall.engaged.wait(120), "the upload never reached part 2"

@@ -60,7 +60,7 @@ class Stack:
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.base / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", *args], env=self.env(), stdout=log,
+        p = subprocess.Popen([sys.executable, "-m", "safepoint.cli", *args], env=self.env(), stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True, cwd=str(self.base))
         self.procs.append(p)
         return p

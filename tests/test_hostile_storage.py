@@ -222,7 +222,7 @@ def test_two_concurrent_commits_have_one_winner_that_binds_its_own_manifest(tmp_
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "safepoint.cli.main", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "safepoint.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 

@@ -22,7 +22,7 @@ from safepoint.core.exits import EXIT_BAD, EXIT_OK
 
 
 def cmd_serve(args) -> int:
-    from safepoint.cli.common import _catalog, err
+    from safepoint.cli.main.common import _catalog, err
     from safepoint.flows.deployments import api_url, build, serve_all
     from safepoint.ops import metrics
 
@@ -46,13 +46,13 @@ def cmd_serve(args) -> int:
 
 def cmd_watch(args) -> int:
     if not args.emit:
-        from safepoint.cli.common import watch_here as ingest_here
+        from safepoint.cli.main.common import watch_here as ingest_here
 
         return ingest_here(args)
-    from safepoint.cli.common import _catalog, err
+    from safepoint.cli.main.common import _catalog, err
     from safepoint.core.config import home, load_config
-    from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
-    from safepoint.events.watch import EmitWatcher
+    from safepoint.events.markers.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
+    from safepoint.events.markers.watch import EmitWatcher
     from safepoint.flows.deployments import api_url
     from safepoint.flows.gateway import PrefectGateway
     from safepoint.ops.leases import this_host
@@ -77,7 +77,7 @@ def cmd_watch(args) -> int:
 
 
 def cmd_metrics(args) -> int:
-    from safepoint.cli.common import _catalog
+    from safepoint.cli.main.common import _catalog
     from safepoint.ops import metrics
 
     print(metrics.render(_catalog(args).url).decode(), end="")
@@ -85,7 +85,7 @@ def cmd_metrics(args) -> int:
 
 
 def cmd_parts(args) -> int:
-    from safepoint.cli.common import _catalog, out
+    from safepoint.cli.main.common import _catalog, out
     from safepoint.core.config import load_config
     from safepoint.ops import assemble
 
@@ -128,7 +128,7 @@ def register(sub) -> None:
     s.add_argument("--timeout", type=float, help="multi-node timeout in seconds ([multinode] timeout_s)")
     s.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port")
     s.add_argument("--metrics-addr", default="127.0.0.1")
-    s.set_defaults(fn=cmd_serve)
+    s.set_defaults(fn=cmd_serve, prefect=True)
 
     w = sub.choices.get("watch")
     if w is not None:
@@ -146,7 +146,7 @@ def register(sub) -> None:
         w.add_argument("--no-timeouts", action="store_true", help="do not apply multi-node timeouts here")
         w.add_argument("--timeouts-every", type=float, default=10.0,
                        help="seconds between multi-node timeout checks (cheap catalog queries)")
-        w.set_defaults(fn=cmd_watch)
+        w.set_defaults(fn=cmd_watch, prefect=True)
 
     s = sub.add_parser("metrics", help="print Safepoint's Prometheus metrics once")
     s.set_defaults(fn=cmd_metrics)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from safepoint.cli.common import (
+from safepoint.cli.main.common import (
     EXIT_BAD,
     EXIT_ERROR,
     EXIT_OK,
@@ -25,14 +24,18 @@ from safepoint.cli.common import (
     run_ingest_flow,
     watch_here,
 )
+from safepoint.cli.main.guard import guarded
+from safepoint.cli.main.quiet import quiet_prefect
 from safepoint.core.errors import SafepointError, UsageError
+from safepoint.flows.local_server import ensure_api
 
 # Modules that add subcommands (see build_parser); absent ones are skipped.
 EXTENSIONS = (
-    "safepoint.cli.catalog_cmds",    # lineage, risk, retention policies
-    "safepoint.cli.validation_cmds", # show
-    "safepoint.cli.events_cmds",     # serve, watch --emit
-    "safepoint.cli.repair_cmds",     # reconcile, scrub
+    "safepoint.cli.main.catalog_cmds",    # lineage, risk, retention policies
+    "safepoint.cli.main.validation_cmds", # show
+    "safepoint.cli.main.events_cmds",     # serve, watch --emit
+    "safepoint.cli.main.repair_cmds",     # reconcile, scrub
+    "safepoint.cli.main.server_cmds",     # server start|stop|status
 )
 
 
@@ -157,10 +160,16 @@ def cmd_resume_point(args) -> int:
 def cmd_verify(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
-    from safepoint.ops.verify import verify_url
+    from safepoint.ops.verify_local import verify_unknown_local
 
     with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
-        report, where = verify_url(_catalog(args), args.url, load_config())
+        config = load_config()
+        found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
+        if found is None:
+            from safepoint.ops.verify import verify_url  # opens the catalog (SQLAlchemy): only when needed
+
+            found = verify_url(_catalog(args), args.url, config)
+        report, where = found
     good = report.outcome.value == "verified"
     (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
     return EXIT_OK if good else EXIT_BAD
@@ -240,7 +249,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from safepoint.cli.demo import run_demo
+    from safepoint.cli.main.demo import run_demo
 
     return run_demo(Path(args.dir) if args.dir else None, console=out)
 
@@ -266,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_ingest)
+    s.set_defaults(fn=cmd_ingest, prefect=True)
 
     s = sub.add_parser("watch", help="ingest committed snapshots that appear under ROOT")
     s.add_argument("root")
@@ -274,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model")
     s.add_argument("--once", action="store_true", help="one pass, then exit")
     s.add_argument("--interval", type=float, default=5.0)
-    s.set_defaults(fn=watch_here)
+    s.set_defaults(fn=watch_here, prefect=True)
 
     s = sub.add_parser("ls", help="list checkpoints")
     s.add_argument("--run")
@@ -316,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")
     s.add_argument("--dir", help="work folder (default: a new temporary folder)")
-    s.set_defaults(fn=cmd_demo)
+    s.set_defaults(fn=cmd_demo, prefect=True)
 
     # Command groups that live in their own modules: each has `register(subparsers)`.
     import importlib
@@ -333,30 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     words = list(argv) if argv is not None else sys.argv[1:]
-    if "-v" not in words and "--verbose" not in words:
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    verbose = "-v" in words or "--verbose" in words
+    quiet_prefect(verbose)
+    return guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on usage errors already
-        return int(e.code or 0)
+    args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.fn(args)
-    except UsageError as e:
-        err.print(f"safepoint: error: {e}")
-        return EXIT_ERROR
-    except SafepointError as e:
-        err.print(f"safepoint: {e}")
-        return EXIT_ERROR
-    except (OSError, ValueError) as e:
-        from safepoint.core.redact import redact
-
-        err.print(f"safepoint: error: {redact(str(e))}")
-        return EXIT_ERROR
+    if getattr(args, "prefect", False):  # commands that run flows or talk to Prefect's API
+        ensure_api(on_start=lambda text: err.print(text))
+    return args.fn(args)
 
 
 if __name__ == "__main__":

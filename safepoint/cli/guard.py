@@ -1,0 +1,56 @@
+"""The one place where the CLI turns an exception into an exit code and one line on stderr.
+
+Exit 1 is a verdict on a checkpoint, and commands return it themselves. Everything that escapes a
+command is therefore *not* a verdict: a Prefect server that did not start, a database or network
+failure, a bug. Reporting any of those as 1 would make a script treat a good checkpoint as bad, so
+each exits 2 with `safepoint: error: ...` (one line, secrets redacted) and the traceback only
+under `-v`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import TextIO
+
+from safepoint.core.errors import SafepointError
+from safepoint.core.redact import redact
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
+MAX_LINE = 400
+
+
+def one_line(exc: BaseException) -> str:
+    """`safepoint: error: ...` for `exc`: first meaningful line, redacted, bounded.
+
+    Safepoint's own errors are phrased for the user and printed as they are; anything else is
+    prefixed with its type, because `ConnectionRefusedError: [Errno 111]` says more than the bare text.
+    """
+    text = redact(str(exc)) or ""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if not isinstance(exc, SafepointError):
+        first = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    if len(first) > MAX_LINE:
+        first = first[: MAX_LINE - 3] + "..."
+    return f"safepoint: error: {first}"
+
+
+def exit_code(exc: BaseException) -> int:
+    """Every exception that reaches the entry point is an infrastructure or usage failure."""
+    return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_ERROR
+
+
+def guarded(command: Callable[[], int], *, verbose: bool, stderr: TextIO) -> int:
+    """Run `command`; map anything it raises to (exit code, one line), traceback under `verbose`."""
+    try:
+        return command()
+    except SystemExit as e:  # argparse and friends: keep their code, but never a bare 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
+        return EXIT_ERROR if code == 1 else code
+    except BaseException as e:  # noqa: BLE001 - this is the boundary; everything is reported once
+        if verbose:
+            traceback.print_exc(file=stderr)
+        print(one_line(e) if not isinstance(e, KeyboardInterrupt) else "safepoint: interrupted", file=stderr)
+        stderr.flush()
+        return exit_code(e)

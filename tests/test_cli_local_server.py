@@ -1,0 +1,95 @@
+"""The embedded default as a new user meets it: no PREFECT_API_URL, a fresh PREFECT_HOME and SAFEPOINT_HOME.
+
+Deliberately not the session-wide test server (that would hide start-up failures): each process
+here finds or starts the one local Prefect server of its PREFECT_HOME (flows/local_server.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from safepoint.flows import local_server
+from tests.helpers_ckpt import make_torch_save_ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fresh_env(tmp_path_factory):
+    """Environment of a new user: no PREFECT_* at all; the server is stopped afterwards."""
+    base = tmp_path_factory.mktemp("newuser")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SAFEPOINT_"))}
+    env.update(PREFECT_HOME=str(base / "prefect-home"), SAFEPOINT_HOME=str(base / "sp-home"),
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    yield env, base
+    local_server.stop(Path(env["PREFECT_HOME"]))
+
+
+def safepoint(env, *args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "safepoint.cli", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_demo_ends_with_table_and_resume_point_and_nothing_after(fresh_env):
+    env, base = fresh_env
+    r = safepoint(env, "demo", "--dir", base / "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert any(line.startswith("catalog") for line in lines)
+    assert lines[-1].startswith("resume point: demo-run step 20"), r.stdout
+    # stderr: at most the one note that the local server was started, nothing from Prefect's teardown
+    assert "Traceback" not in r.stderr and "ERROR" not in r.stderr and "Error" not in r.stderr, r.stderr
+    assert [line for line in r.stderr.splitlines() if line.strip()] == [
+        f"starting a local Prefect server for {env['PREFECT_HOME']} (first use; `safepoint server stop` ends it)"]
+
+
+def test_later_commands_reuse_the_server_concurrently(fresh_env):
+    env, base = fresh_env
+    before = local_server.read_state(Path(env["PREFECT_HOME"]))
+    assert before is not None and local_server.healthy(before.api_url)
+    runs = []
+    for i in range(2):
+        folder = base / f"ck{i}"
+        make_torch_save_ckpt(folder)
+        assert safepoint(env, "commit", folder, "--run", "reuse", "--step", i).returncode == 0
+        runs.append(folder)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda f: safepoint(env, "ingest", f, "--to", (base / "durable").as_uri()), runs))
+    for r in results:
+        assert r.returncode == 0 and "verified" in r.stdout, r.stdout + r.stderr
+        assert r.stderr.strip() == "", r.stderr  # no start-up note, no Prefect lines
+    after = local_server.read_state(Path(env["PREFECT_HOME"]))
+    assert after == before  # the same server, not a second one
+    status = safepoint(env, "server", "status")
+    assert status.returncode == 0 and before.ui_url in status.stdout
+
+
+def test_user_api_url_is_used_exactly(fresh_env):
+    """PREFECT_API_URL set: that server (here, a dead one) and no local server; a failure is exit 2, one line."""
+    env, base = fresh_env
+    dead = dict(env, PREFECT_API_URL="http://127.0.0.1:1/api", PREFECT_HOME=str(base / "other-home"),
+                PREFECT_CLIENT_MAX_RETRIES="0")
+    folder = base / "ck-dead"
+    make_torch_save_ckpt(folder)
+    assert safepoint(dead, "commit", folder, "--run", "dead", "--step", 1).returncode == 0
+    r = safepoint(dead, "ingest", folder, "--to", (base / "durable").as_uri(), timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    err_lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and err_lines[0].startswith("safepoint: error: "), r.stderr
+    assert local_server.read_state(base / "other-home") is None
+
+
+def test_server_stop_ends_it(fresh_env):
+    env, _base = fresh_env
+    state = local_server.read_state(Path(env["PREFECT_HOME"]))
+    r = safepoint(env, "server", "stop")
+    assert r.returncode == 0 and f"pid {state.pid}" in r.stdout
+    assert not local_server.pid_alive(state.pid) and not local_server.healthy(state.api_url, timeout=1)
+    assert safepoint(env, "server", "status").returncode == 1
