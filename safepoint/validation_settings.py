@@ -4,6 +4,7 @@
     norm_jump_factor = 10.0        # flag a tensor whose norm grew or shrank more than x10 since the
                                    # previous verified checkpoint of the run (0 turns it off)
     norm_floor = 1e-6              # norms below this count as this (no infinite jumps from zero)
+    norm_jump_rms_floor = 1e-2     # and so do norms whose RMS is below this (zero-initialised biases)
     norm_jump_min_numel = 2        # smaller tensors (step counters) are not compared
     norm_jump_ignore = ["*.step"]  # glob patterns of tensor names never compared
     warn_only = ["dtype"]          # problems reported as warnings: flagged, but not failing
@@ -12,6 +13,13 @@
     device = "meta"                # where the model factory builds the model
     threads = 1                    # torch threads for the stats (0: torch's default); see below
     max_tensor_bytes = 0           # refuse larger tensors (0: no limit); stats_chunk_elems, ...
+    opaque_pickle = "report"       # a pickle weights_only refuses (training_args.bin): "report" it as
+                                   # not loaded, or "fail" the checkpoint
+    unknown_format = "report"      # a file in no known format: "report" (hashed only) or "fail"
+    roles = {"ema.*" = "parameter"}  # name globs -> role, ahead of the defaults (safepoint.roles)
+
+    [validation.rules.buffer]      # the rules table per role (safepoint.roles): nonfinite and
+    nonfinite = "fail"             # norm_jump, each "fail", "warn" or "off"
 
     [runs.llama-7b]
     model = "mypkg.models:build"   # model factory for the strict dry-run load of this run
@@ -35,14 +43,18 @@ from typing import Any
 from safepoint.audit import Thresholds
 from safepoint.errors import UsageError
 from safepoint.loaders.base import Limits, Problem
+from safepoint.roles import Rules
 
 # Problems that can never be downgraded to warnings: unreadable or unsafe bytes.
 ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING})
 
 _THRESHOLD_KEYS = {"norm_jump_factor": "norm_jump_factor", "norm_floor": "norm_floor",
+                   "norm_jump_rms_floor": "rms_floor",
                    "norm_jump_min_numel": "min_numel", "norm_jump_ignore": "ignore"}
 _LIMIT_KEYS = {f.name for f in fields(Limits)}
-_OWN_KEYS = {"model", "model_key", "optimizer_key", "step_key", "check_step", "warn_only", "device", "threads"}
+_OWN_KEYS = {"model", "model_key", "optimizer_key", "step_key", "check_step", "warn_only", "device", "threads",
+             "opaque_pickle", "unknown_format", "rules", "roles"}
+REPORT, FAIL = "report", "fail"
 KNOWN_KEYS = frozenset(_OWN_KEYS | set(_THRESHOLD_KEYS) | _LIMIT_KEYS)
 
 
@@ -58,6 +70,9 @@ class ValidationSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     warn_only: frozenset[Problem] = frozenset()
     limits: Limits = field(default_factory=Limits)
+    rules: Rules = field(default_factory=Rules)    # role of each tensor and what non-finite/norm jumps do
+    opaque_pickle: str = REPORT                    # refused pickles: reported as not loaded, or failing
+    unknown_format: str = REPORT                   # files in no known format: reported, or failing
 
     def failing(self, problem: Problem) -> bool:
         return problem in ALWAYS_FAILING or problem not in self.warn_only
@@ -126,6 +141,13 @@ class ValidationSettings:
             if not isinstance(doc["check_step"], bool):
                 raise bad("check_step", "true or false")
             out = replace(out, check_step=doc["check_step"])
+        for key in ("opaque_pickle", "unknown_format"):
+            if key in doc:
+                if doc[key] not in (REPORT, FAIL):
+                    raise bad(key, '"report" or "fail"')
+                out = replace(out, **{key: doc[key]})
+        if "rules" in doc or "roles" in doc:
+            out = replace(out, rules=out.rules.merged(doc.get("rules"), doc.get("roles"), where=where))
         if "warn_only" in doc:
             v = doc["warn_only"]
             names = {p.value: p for p in Problem}

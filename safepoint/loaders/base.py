@@ -20,6 +20,7 @@ class Problem(str, Enum):
     INF = "inf"                  # a tensor holds +/-inf values
     UNLOADABLE = "unloadable"    # the loader failed (truncated, corrupt, unsupported)
     UNSAFE = "unsafe"            # loading would run code or escape the folder: refused
+    OPAQUE = "opaque"            # a pickle the weights-only unpickler refuses (no code named): not loaded
     MALFORMED = "malformed"      # the bytes break the format (bad header, bad offsets, bad metadata)
     MISSING = "missing"          # a file the snapshot needs is absent
     # Strict dry-run load against the model factory (safepoint.harness):

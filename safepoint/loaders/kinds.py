@@ -1,0 +1,84 @@
+"""What a file in a snapshot claims to be, from its name and its first bytes, before anything loads it.
+
+The decision that matters: a file that claims a known format (by magic bytes, or by a name only that
+format uses) and does not parse is damage; a file in no known format is hashed, replicated and
+verified like every byte, and reported "not loaded: unknown format", never counted as damage.
+
+`.bin` and `.pkl` claim nothing by themselves (any tool writes them): they are torch.save files when
+their bytes say so (zip with data.pkl, legacy magic), or when their name is one trainers give to
+torch.save output (`pytorch_model*.bin`, `optimizer.bin`, `random_states_0.pkl`...). A bare pickle
+(pickle.dump, protocol 2-5) is never unpickled: it is an opaque pickle, or UNSAFE when its opcodes
+name a global that could run code (read with pickletools, which executes nothing).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import pickletools
+from pathlib import Path
+
+from safepoint.loaders.allowlist import dangerous
+from safepoint.loaders.safetensors_file import SAFETENSORS_SUFFIXES
+from safepoint.loaders.torchsave import LEGACY_MAGIC, ZIP_MAGIC, sniff_torch
+
+__all__ = ["JSON", "PICKLE", "SAFETENSORS", "TORCH", "UNKNOWN", "file_kind", "pickle_globals"]
+
+TORCH, SAFETENSORS, JSON, PICKLE, UNKNOWN = "torch", "safetensors", "json", "pickle", "unknown"
+
+# Names only torch.save output gets (suffix or trainer file names).
+TORCH_NAME_SUFFIXES = frozenset({".pt", ".pth", ".ckpt"})
+TORCH_NAMES = ("pytorch_model*.bin", "optimizer*.bin", "scheduler*.bin", "scaler*.bin", "training_args.bin",
+               "random_states_*.pkl", "custom_checkpoint_*.pkl", "model*.bin", "*.pt.bin")
+JSON_SUFFIXES = frozenset({".json"})
+MAX_PICKLE_SCAN_BYTES = 64 * 1024 * 1024
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """TORCH, SAFETENSORS, JSON, PICKLE (a bare pickle) or UNKNOWN. Raises OSError if unreadable."""
+    p = Path(path)
+    name, suffix = p.name, p.suffix.lower()
+    if suffix in SAFETENSORS_SUFFIXES:
+        return SAFETENSORS
+    if suffix in JSON_SUFFIXES:
+        return JSON
+    with open(p, "rb") as f:
+        head = f.read(len(LEGACY_MAGIC))
+    if head.startswith(LEGACY_MAGIC) or sniff_torch(p) is not None:
+        return TORCH
+    if suffix in TORCH_NAME_SUFFIXES or any(fnmatch.fnmatchcase(name, pat) for pat in TORCH_NAMES):
+        return TORCH
+    if head.startswith(ZIP_MAGIC) and suffix in (".bin", ".pkl", ".tar"):
+        return TORCH  # a zip under a torch-ish name that does not open: a broken torch.save
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return PICKLE
+    return UNKNOWN
+
+
+def pickle_globals(path: str | os.PathLike, limit: int = MAX_PICKLE_SCAN_BYTES) -> tuple[list[str], str | None]:
+    """(globals a bare pickle names, why it does not parse or None). Nothing is executed."""
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            return names, None  # too big to scan: still never loaded
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings = [*strings[-1:], str(arg)]
+            elif op.name == "GLOBAL":
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) == 2:
+                names.append(".".join(strings))
+            elif op.name == "STOP":
+                break
+    except Exception as e:  # noqa: BLE001 - a bare pickle that does not parse
+        return names, f"{type(e).__name__}: {e}"
+    return names, None
+
+
+def bare_pickle_dangerous(path: str | os.PathLike) -> tuple[list[str], list[str], str | None]:
+    """(globals, dangerous ones, parse error) of a bare pickle."""
+    names, why = pickle_globals(path)
+    return names, dangerous(names), why
