@@ -232,13 +232,22 @@ def norm_jumps(current: Iterable[TensorStat], baseline: Baseline, thresholds: Th
         if not math.isfinite(s.norm) or not math.isfinite(float(prev["norm"])):
             continue
         compared += 1
-        floor = max(thresholds.norm_floor, thresholds.rms_floor * math.sqrt(max(s.numel, 1)))
-        a = max(s.norm, floor)
-        b = max(float(prev["norm"]), floor)
-        ratio = max(a, b) / min(a, b)
+        ratio, grew = jump_ratio(s.norm, float(prev["norm"]), s.numel, thresholds)
         if ratio > factor:
-            jumps.append(Jump(key, s.name, s.file, s.norm, float(prev["norm"]), ratio, a > b))
+            jumps.append(Jump(key, s.name, s.file, s.norm, float(prev["norm"]), ratio, grew))
     return jumps, compared
+
+
+def jump_ratio(norm: float, previous: float, numel: int, thresholds: Thresholds) -> tuple[float, bool]:
+    """(growth or shrink factor >= 1, grew). Growth is measured from at least the RMS floor (a tensor
+    leaving zero is not diverging); shrinking is measured down to the absolute floor (a live tensor
+    collapsing to zero is)."""
+    small = max(thresholds.norm_floor, thresholds.rms_floor * math.sqrt(max(numel, 1)))
+    if norm >= previous:
+        return max(norm, thresholds.norm_floor) / max(previous, small), True
+    if previous <= small:
+        return 1.0, False
+    return previous / max(norm, thresholds.norm_floor), False
 
 
 def baseline_from_catalog(catalog: Any, run: str, step: int) -> Baseline | None:

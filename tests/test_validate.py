@@ -47,7 +47,7 @@ def test_torch_save_model_and_optimizer_ok(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     report = validate_snapshot(tmp_path)
     assert report.ok and report.outcome == "verified", report.summary()
-    assert report.files == {"model.pt": "ok", "config.json": "skipped"}
+    assert report.files == {"model.pt": "ok", "config.json": "ok"}  # JSON is parsed
     stats = _stats(report)
     for name in ("model.0.weight", "model.2.bias", "optimizer.state.0.exp_avg", "optimizer.state.3.exp_avg_sq",
                  "optimizer.state.1.step"):
