@@ -8,6 +8,7 @@ optimizer moment, inf in callback metadata), rewriting the file in its own forma
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,6 +77,20 @@ def _lightning_module():
     return Tiny()
 
 
+def tracker_callback():
+    """A Lightning callback with a tensor in its state (like ModelCheckpoint's best score)."""
+    import pytorch_lightning as pl
+
+    class Tracker(pl.Callback):
+        def state_dict(self) -> dict:
+            return {"best_loss": torch.tensor(0.5)}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    return Tracker()
+
+
 def lightning_run(root: Path, *, steps: int = 4, every: int = 2, callbacks: list | None = None,
                   plugins: list | None = None, stock_checkpoint: bool = True) -> Path:
     """Train a tiny LightningModule with AdamW and a scheduler; return the ModelCheckpoint folder."""
@@ -95,6 +110,12 @@ def lightning_run(root: Path, *, steps: int = 4, every: int = 2, callbacks: list
 
 def accelerate_save_state(out: Path, *, steps: int = 3) -> Path:
     """A few AdamW steps under Accelerator(cpu=True), then save_state(out)."""
+    accelerate_train(steps).save_state(str(out))
+    return out
+
+
+def accelerate_train(steps: int = 3):
+    """An Accelerator(cpu=True) after a few AdamW steps of a tiny model (ready for save_state)."""
     from accelerate import Accelerator
 
     torch.manual_seed(0)
@@ -110,16 +131,17 @@ def accelerate_save_state(out: Path, *, steps: int = 3) -> Path:
         opt.step()
         sched.step()
         opt.zero_grad()
-    acc.save_state(str(out))
-    return out
+    return acc
 
 
-def torchtitan_style_dcp(out: Path, *, step: int = 10) -> Path:
+def torchtitan_style_dcp(out: Path, *, step: int = 10, fault: Callable[[dict], None] | None = None,
+                         save: Callable[[dict, Path], None] | None = None) -> Path:
     """A DCP checkpoint laid out the way torchtitan's CheckpointManager writes one.
 
     Model weights at the top level (ModelWrapper flattens them), the optimizer through
     get_optimizer_state_dict(flatten_optimizer_state_dict=True), the LR scheduler, the dataloader as
-    bytes and `train_state` with the step; written with `dcp.save` (no process group).
+    bytes and `train_state` with the step; written with `dcp.save` (no process group), or `save`.
+    `fault(state)` may damage the state dict first.
     """
     import io
     import pickle
@@ -144,6 +166,11 @@ def torchtitan_style_dcp(out: Path, *, step: int = 10) -> Path:
     state["dataloader"] = {"dp_rank_0": pickle.dumps({"sample": 3}), "world_size": 1}
     state["extra"] = {"blob": io.BytesIO(b"raw-bytes")}
     state["train_state"] = {"step": torch.tensor(step, dtype=torch.int32), "ntokens_seen": torch.tensor(step * 32)}
+    if fault is not None:
+        fault(state)
+    if save is not None:
+        save(state, out)
+        return out
     out.mkdir(parents=True, exist_ok=True)
     dcp.save(state, checkpoint_id=str(out))
     return out

@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickletools
 import re
 import warnings
+import zipfile
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -69,22 +71,56 @@ def scoped_safe_globals() -> Iterator[None]:
         yield
 
 
+MAX_PICKLE_SCAN_BYTES = 64 * 1024 * 1024
+
+
+def globals_in_pickle(data: bytes) -> list[str]:
+    """Every global a pickle names, in the order it names them (the outermost object's class first),
+    read with pickletools: nothing is executed. Raises on a pickle that does not parse."""
+    names: list[str] = []
+    strings: list[str] = []
+    for op, arg, _pos in pickletools.genops(data):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            strings = [*strings[-1:], str(arg)]
+        elif op.name == "GLOBAL":
+            names.append(str(arg).replace(" ", "."))
+        elif op.name == "STACK_GLOBAL" and len(strings) == 2:
+            names.append(".".join(strings))
+        elif op.name == "STOP":
+            break
+    return list(dict.fromkeys(names))
+
+
 def refused_globals(source: str | os.PathLike | IO[bytes]) -> list[str] | None:
-    """The globals a torch.save (zip) pickle names that are not allowed, read without unpickling; None
-    when they cannot be listed (not the zip format, or broken)."""
+    """The globals a torch.save (zip) pickle names that are not allowed, outermost first, read without
+    unpickling (torch.serialization.get_unsafe_globals_in_checkpoint, ordered by the pickle's own
+    opcodes); None when they cannot be listed (not the zip format, or broken)."""
     try:
-        if not isinstance(source, (str, os.PathLike)):
-            source.seek(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with scoped_safe_globals():
-                return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+                unsafe = list(torch.serialization.get_unsafe_globals_in_checkpoint(_rewound(source)))
     except Exception:  # noqa: BLE001 - any failure: cannot tell
         return None
+    try:
+        with zipfile.ZipFile(_rewound(source)) as z:
+            member = next(n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl"))
+            if z.getinfo(member).file_size > MAX_PICKLE_SCAN_BYTES:
+                return unsafe
+            order = globals_in_pickle(z.read(member))
+    except Exception:  # noqa: BLE001 - the listing stands, unordered
+        return unsafe
     finally:
-        if isinstance(source, io.IOBase):
-            with contextlib.suppress(Exception):
-                source.seek(0)
+        _rewound(source)
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(unsafe, key=lambda n: rank.get(n, len(rank)))
+
+
+def _rewound(source: str | os.PathLike | IO[bytes]) -> str | os.PathLike | IO[bytes]:
+    if isinstance(source, io.IOBase) or hasattr(source, "seek"):
+        with contextlib.suppress(Exception):
+            source.seek(0)  # type: ignore[union-attr]
+    return source
 
 
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import pickletools
 from pathlib import Path
 
-from safepoint.loaders.allowlist import dangerous
+from safepoint.loaders.allowlist import MAX_PICKLE_SCAN_BYTES, dangerous, globals_in_pickle
 from safepoint.loaders.safetensors_file import SAFETENSORS_SUFFIXES
 from safepoint.loaders.torchsave import LEGACY_MAGIC, ZIP_MAGIC, sniff_torch
 
@@ -31,7 +30,6 @@ TORCH_NAME_SUFFIXES = frozenset({".pt", ".pth", ".ckpt"})
 TORCH_NAMES = ("pytorch_model*.bin", "optimizer*.bin", "scheduler*.bin", "scaler*.bin", "training_args.bin",
                "random_states_*.pkl", "custom_checkpoint_*.pkl", "model*.bin", "*.pt.bin")
 JSON_SUFFIXES = frozenset({".json"})
-MAX_PICKLE_SCAN_BYTES = 64 * 1024 * 1024
 
 
 def file_kind(path: str | os.PathLike) -> str:
@@ -57,25 +55,14 @@ def file_kind(path: str | os.PathLike) -> str:
 
 def pickle_globals(path: str | os.PathLike, limit: int = MAX_PICKLE_SCAN_BYTES) -> tuple[list[str], str | None]:
     """(globals a bare pickle names, why it does not parse or None). Nothing is executed."""
-    names: list[str] = []
-    strings: list[str] = []
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
         if len(data) > limit:
-            return names, None  # too big to scan: still never loaded
-        for op, arg, _pos in pickletools.genops(data):
-            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                strings = [*strings[-1:], str(arg)]
-            elif op.name == "GLOBAL":
-                names.append(str(arg).replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) == 2:
-                names.append(".".join(strings))
-            elif op.name == "STOP":
-                break
+            return [], None  # too big to scan: still never loaded
+        return globals_in_pickle(data), None
     except Exception as e:  # noqa: BLE001 - a bare pickle that does not parse
-        return names, f"{type(e).__name__}: {e}"
-    return names, None
+        return [], f"{type(e).__name__}: {e}"
 
 
 def bare_pickle_dangerous(path: str | os.PathLike) -> tuple[list[str], list[str], str | None]:
