@@ -60,7 +60,7 @@ from safepoint.loaders import (
     one_line,
 )
 from safepoint.loaders.dcp import DCP_SUFFIX, METADATA_NAME
-from safepoint.loaders.kinds import JSON, PICKLE, UNKNOWN, bare_pickle_dangerous, file_kind
+from safepoint.loaders.kinds import JSON, PICKLE, UNKNOWN, bare_pickle_dangerous, file_kind, holds_tensors
 from safepoint.roles import FAIL, OFF, WARN
 from safepoint.validation_settings import FAIL as SETTING_FAIL
 from safepoint.validation_settings import ValidationSettings
@@ -210,6 +210,9 @@ class _Validator:
         self.report.not_loaded[f"{file}:{entry}" if entry else file] = why
         if entry is None:
             self.status(file, FILE_NOT_LOADED)
+            if problem is Problem.OPAQUE and holds_tensors(file):
+                self.report.warnings.append(Finding(file, None, problem, f"{file}: {why}: the tensors it may hold "
+                                                    "were not checked"))
 
     def nonfinite(self, file: str, name: str, problem: Problem, count: int) -> None:
         """NaN/Inf in one tensor: what its role's rule says (fail, warn, off)."""

@@ -150,6 +150,20 @@ def test_a_file_claiming_a_known_format_that_does_not_parse_is_damage(hf, tmp_pa
     assert report.outcome == "invalid" and report.files[name] == "invalid", report.summary()
 
 
+def test_an_opaque_checkpoint_file_is_not_loaded_and_warned_about(tmp_path: Path) -> None:
+    """A .ckpt whose pickle names a class weights_only refuses (old Lightning kept hparams as an
+    argparse.Namespace): never unpickled, not damage, but its tensors went unchecked, and the report says so."""
+    import argparse
+
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": argparse.Namespace(lr=1)},
+               tmp_path / "last.ckpt")
+    report = validate_snapshot(tmp_path)
+    assert report.outcome == "verified" and report.files == {"last.ckpt": "not loaded"}
+    assert report.not_loaded["last.ckpt"] == "not loaded: opaque pickle (names argparse.Namespace)"
+    [w] = report.warnings
+    assert w.problem is Problem.OPAQUE and "were not checked" in w.message
+
+
 def test_a_bare_pickle_naming_code_is_unsafe_and_never_runs(hf, tmp_path: Path) -> None:
     sentinel = tmp_path / "SENTINEL"
 

@@ -21,7 +21,7 @@ from safepoint.loaders.allowlist import MAX_PICKLE_SCAN_BYTES, dangerous, global
 from safepoint.loaders.safetensors_file import SAFETENSORS_SUFFIXES
 from safepoint.loaders.torchsave import LEGACY_MAGIC, ZIP_MAGIC, sniff_torch
 
-__all__ = ["JSON", "PICKLE", "SAFETENSORS", "TORCH", "UNKNOWN", "file_kind", "pickle_globals"]
+__all__ = ["JSON", "PICKLE", "SAFETENSORS", "TORCH", "UNKNOWN", "file_kind", "holds_tensors", "pickle_globals"]
 
 TORCH, SAFETENSORS, JSON, PICKLE, UNKNOWN = "torch", "safetensors", "json", "pickle", "unknown"
 
@@ -30,6 +30,10 @@ TORCH_NAME_SUFFIXES = frozenset({".pt", ".pth", ".ckpt"})
 TORCH_NAMES = ("pytorch_model*.bin", "optimizer*.bin", "scheduler*.bin", "scaler*.bin", "training_args.bin",
                "random_states_*.pkl", "custom_checkpoint_*.pkl", "model*.bin", "*.pt.bin")
 JSON_SUFFIXES = frozenset({".json"})
+# Files that normally hold model or optimizer tensors: if one is an opaque pickle, say so loudly.
+TENSOR_NAMES = ("*.ckpt", "*.pt", "*.pth", "pytorch_model*.bin", "optimizer*.bin", "model*.bin")
+# ...but not these, which trainers write as plain pickled objects on purpose.
+OBJECT_NAMES = ("training_args.bin", "custom_checkpoint_*.pkl")
 
 
 def file_kind(path: str | os.PathLike) -> str:
@@ -51,6 +55,14 @@ def file_kind(path: str | os.PathLike) -> str:
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return PICKLE
     return UNKNOWN
+
+
+def holds_tensors(rel: str) -> bool:
+    """Whether a file of this name is expected to hold tensors (model or optimizer state)."""
+    name = rel.rsplit("/", 1)[-1]
+    if any(fnmatch.fnmatchcase(name, pat) for pat in OBJECT_NAMES):
+        return False
+    return any(fnmatch.fnmatchcase(name, pat) for pat in TENSOR_NAMES)
 
 
 def pickle_globals(path: str | os.PathLike, limit: int = MAX_PICKLE_SCAN_BYTES) -> tuple[list[str], str | None]:
