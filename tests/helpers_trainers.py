@@ -82,6 +82,10 @@ def tracker_callback():
     import pytorch_lightning as pl
 
     class Tracker(pl.Callback):
+        @property
+        def state_key(self) -> str:
+            return "Tracker"
+
         def state_dict(self) -> dict:
             return {"best_loss": torch.tensor(0.5)}
 
