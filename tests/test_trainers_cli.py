@@ -143,6 +143,10 @@ def test_accelerate_through_the_cli(env, capsys, tmp_path: Path) -> None:
     good = accelerate_save_state(tmp_path / "acc" / "s3")
     assert sp("commit", good, "--run", "acc", "--step", 3) == 0
     assert ingest(env, good) == 0 and state_of(env, capsys, "acc", 3) == "verified"
+    capsys.readouterr()
+    assert sp("--catalog", env[1], "show", "acc", 3) == 0
+    text = capsys.readouterr().out
+    assert "model = ... under [runs.RUN])" in text and "random_states_0.pkl" in text
 
     bad = accelerate_save_state(tmp_path / "acc" / "s6", steps=6)
     plant_in_torch_file(bad / "optimizer.bin", "state.1.exp_avg", math.nan)
