@@ -47,7 +47,7 @@ def test_torch_save_model_and_optimizer_ok(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     report = validate_snapshot(tmp_path)
     assert report.ok and report.outcome == "verified", report.summary()
-    assert report.files == {"model.pt": "ok", "config.json": "skipped"}
+    assert report.files == {"model.pt": "ok", "config.json": "ok"}  # JSON is parsed
     stats = _stats(report)
     for name in ("model.0.weight", "model.2.bias", "optimizer.state.0.exp_avg", "optimizer.state.3.exp_avg_sq",
                  "optimizer.state.1.step"):
@@ -376,7 +376,7 @@ def test_safetensors_pieces_reuse_one_buffer(tmp_path: Path) -> None:
 
 
 def test_cli_validate_with_model_checks_the_manifest_step(tmp_path: Path, capsys) -> None:
-    from safepoint.cli.main import main
+    from safepoint.cli.main.main import main
     from safepoint.local.commit import commit
 
     make_torch_save_ckpt(tmp_path)  # records "step": 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from safepoint.catalog.store import open_catalog
-from safepoint.cli.main import main
+from safepoint.cli.main.main import main
 from safepoint.local.commit import commit
 from safepoint.ops.ingest import ingest
 from safepoint.validation.report import artifact_key, finding_rows, markdown, tensor_rows
@@ -74,7 +74,8 @@ def test_report_views_are_consistent(two_checkpoints: str) -> None:
     stats = catalog.tensor_stats(v.id)
     md = markdown(row.run, row.step, str(row.state), v.report, stats)
     assert md.startswith("# Validation of rep step 2: **invalid**")
-    assert "| `optimizer.state.0.exp_avg_sq` | nan | `model.pt` | optimizer.state.0.exp_avg_sq: 3 NaN values |" in md
+    assert ("| `optimizer.state.0.exp_avg_sq` | nan | `model.pt` | optimizer.state.0.exp_avg_sq: 3 NaN values "
+            "(optimizer_state) |") in md
     rows = tensor_rows(v.report, stats)
     assert [r["tensor"] for r in rows[:2]] == ["model.0.bias", "optimizer.state.0.exp_avg_sq"]
     assert rows[0]["verdict"] == "fail: norm_jump" and rows[1]["nan"] == 3 and rows[-1]["verdict"] == "ok"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from safepoint.core.exits import EXIT_BAD, EXIT_OK
@@ -28,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_show(args: Any) -> int:
-    from safepoint.cli.common import _catalog, err, out
+    from safepoint.cli.main.common import _catalog, err, out
 
     cat = _catalog(args)
     row = cat.get(args.run, args.step)
@@ -64,7 +65,7 @@ def cmd_show(args: Any) -> int:
                   f"{h.get('optimizer') or '-'} under {h.get('optimizer_key') or '-'!r}"
                   + (f", step {step.get('checkpoint')} vs catalog {step.get('catalog')}" if step else "") + ")")
     else:
-        out.print("strict load: no model factory configured (--model, or model = ... under [runs.RUN])")
+        out.print(escape("strict load: no model factory configured (--model, or model = ... under [runs.RUN])"))
     if a:
         out.print(f"norm audit: against {a.get('against')}, {a.get('compared')} tensors compared, "
                   f"{a.get('flagged')} beyond x{a.get('norm_jump_factor')}")
@@ -83,9 +84,15 @@ def cmd_show(args: Any) -> int:
         out.print(t)
     files = doc.get("files") or {}
     if files:
+        notes = doc.get("not_loaded") or {}
         t = Table("file", "status", title="Files")
         for f, s in sorted(files.items()):
-            t.add_row(f, s, style=None if s in ("ok", "skipped") else "red")
+            shown = escape(notes[f]) if s == "not loaded" and f in notes else s
+            t.add_row(escape(f), shown, style=None if s in ("ok", "skipped") else "yellow" if s == "not loaded"
+                      else "red")
+        for f, why in sorted(notes.items()):
+            if f not in files:  # one entry of a file (a DCP bytes entry)
+                t.add_row(escape(f), escape(why), style="yellow")
         out.print(t)
     if args.tensors:
         ranked = tensor_rows(doc, stats)

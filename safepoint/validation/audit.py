@@ -1,6 +1,6 @@
 """Numerical audit of every tensor: NaN/Inf counts, L2 norm and max |x|, and norm jumps between checkpoints.
 
-Stats are computed piece by piece from a TensorSource (safepoint.loaders), so a tensor is never
+Stats are computed piece by piece from a TensorSource (safepoint.validation.loaders), so a tensor is never
 materialized whole. The fast path per piece is two reductions that torch runs multithreaded and
 without temporaries: `aminmax` (finite min and max imply no NaN/Inf, and give max |x|) and
 `vector_norm` (float32 accumulation, float64 only for a piece whose squares overflow). Only a piece
@@ -16,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -171,12 +171,17 @@ class Thresholds:
 
     A tensor is flagged when its norm grew or shrank by more than `norm_jump_factor` (symmetric:
     x10 or /10 by default). Norms below `norm_floor` count as `norm_floor` (a bias that leaves zero
-    is not an infinite jump). Tensors with fewer than `min_numel` elements (step counters) and names
-    matching an `ignore` glob are not compared. `norm_jump_factor` None or 0 turns the check off.
+    is not an infinite jump), and so do norms whose RMS (norm / sqrt(numel)) is below `rms_floor`:
+    a zero-initialised bias or LayerNorm shift that starts to move in the first steps of a correct run
+    is growth from nothing, not divergence. Tensors with fewer than `min_numel` elements (step
+    counters) and names matching an `ignore` glob are not compared. `norm_jump_factor` None or 0 turns
+    the check off. Which tensors are compared at all is the rules table's call (safepoint.validation.roles:
+    Adam's moments start at zero and grow >10x early, so optimizer state is not compared by default).
     """
 
     norm_jump_factor: float | None = 10.0
     norm_floor: float = 1e-6
+    rms_floor: float = 1e-2
     min_numel: int = 2
     ignore: tuple[str, ...] = ()
 
@@ -206,8 +211,10 @@ class Jump:
                 f"limit x{factor:g})")
 
 
-def norm_jumps(current: Iterable[TensorStat], baseline: Baseline, thresholds: Thresholds) -> tuple[list[Jump], int]:
-    """(jumps over the threshold, number of tensors compared). Pure."""
+def norm_jumps(current: Iterable[TensorStat], baseline: Baseline, thresholds: Thresholds,
+               include: Callable[[TensorStat], bool] | None = None) -> tuple[list[Jump], int]:
+    """(jumps over the threshold, number of tensors compared). Pure. `include` picks the tensors
+    compared (the rules table's norm_jump column); None compares all."""
     factor = thresholds.norm_jump_factor
     if not factor or factor <= 1:
         return [], 0
@@ -220,17 +227,29 @@ def norm_jumps(current: Iterable[TensorStat], baseline: Baseline, thresholds: Th
             continue
         if list(prev.get("shape") or []) != list(s.shape):
             continue
+        if include is not None and not include(s):
+            continue
         if any(fnmatch.fnmatchcase(key, pat) or fnmatch.fnmatchcase(s.name, pat) for pat in thresholds.ignore):
             continue
         if not math.isfinite(s.norm) or not math.isfinite(float(prev["norm"])):
             continue
         compared += 1
-        a = max(s.norm, thresholds.norm_floor)
-        b = max(float(prev["norm"]), thresholds.norm_floor)
-        ratio = max(a, b) / min(a, b)
+        ratio, grew = jump_ratio(s.norm, float(prev["norm"]), s.numel, thresholds)
         if ratio > factor:
-            jumps.append(Jump(key, s.name, s.file, s.norm, float(prev["norm"]), ratio, a > b))
+            jumps.append(Jump(key, s.name, s.file, s.norm, float(prev["norm"]), ratio, grew))
     return jumps, compared
+
+
+def jump_ratio(norm: float, previous: float, numel: int, thresholds: Thresholds) -> tuple[float, bool]:
+    """(growth or shrink factor >= 1, grew). Growth is measured from at least the RMS floor (a tensor
+    leaving zero is not diverging); shrinking is measured down to the absolute floor (a live tensor
+    collapsing to zero is)."""
+    small = max(thresholds.norm_floor, thresholds.rms_floor * math.sqrt(max(numel, 1)))
+    if norm >= previous:
+        return max(norm, thresholds.norm_floor) / max(previous, small), True
+    if previous <= small:
+        return 1.0, False
+    return previous / max(norm, thresholds.norm_floor), False
 
 
 def baseline_from_catalog(catalog: Any, run: str, step: int) -> Baseline | None:

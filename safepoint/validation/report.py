@@ -105,7 +105,10 @@ def markdown(run: str, step: int, state: str, doc: dict[str, Any], stats: list[d
     files = doc.get("files") or {}
     if files:
         lines += ["## Files", "", "| file | status |", "|---|---|"]
-        lines += [f"| `{_cell(f)}` | {s} |" for f, s in sorted(files.items())]
+        notes = doc.get("not_loaded") or {}
+        lines += [f"| `{_cell(f)}` | {_cell(notes.get(f, s)) if s == 'not loaded' else s} |"
+                  for f, s in sorted(files.items())]
+        lines += [f"| `{_cell(f)}` | {_cell(why)} |" for f, why in sorted(notes.items()) if f not in files]
         lines.append("")
     if len(stats) > MAX_TABLE_ROWS:
         lines.append(f"The tensor table shows {MAX_TABLE_ROWS} of {len(stats)} tensors (flagged ones first).")

@@ -4,6 +4,7 @@
     norm_jump_factor = 10.0        # flag a tensor whose norm grew or shrank more than x10 since the
                                    # previous verified checkpoint of the run (0 turns it off)
     norm_floor = 1e-6              # norms below this count as this (no infinite jumps from zero)
+    norm_jump_rms_floor = 1e-2     # and so do norms whose RMS is below this (zero-initialised biases)
     norm_jump_min_numel = 2        # smaller tensors (step counters) are not compared
     norm_jump_ignore = ["*.step"]  # glob patterns of tensor names never compared
     warn_only = ["dtype"]          # problems reported as warnings: flagged, but not failing
@@ -16,6 +17,13 @@
     sandbox_memory_bytes = 2147483648  # memory validation may use (files it maps come on top)
     sandbox_cpu_seconds = 300      # CPU time: this + sandbox_cpu_seconds_per_gib (60) per GiB read
     sandbox_wall_seconds = 600     # wall clock: this + sandbox_wall_seconds_per_gib (120) per GiB read
+    opaque_pickle = "report"       # a pickle weights_only refuses (training_args.bin): "report" it as
+                                   # not loaded, or "fail" the checkpoint
+    unknown_format = "report"      # a file in no known format: "report" (hashed only) or "fail"
+    roles = {"ema.*" = "parameter"}  # name globs -> role, ahead of the defaults (safepoint.validation.roles)
+
+    [validation.rules.buffer]      # the rules table per role (safepoint.validation.roles): nonfinite and
+    nonfinite = "fail"             # norm_jump, each "fail", "warn" or "off"
 
     [runs.llama-7b]
     model = "mypkg.models:build"   # model factory for the strict dry-run load of this run
@@ -39,15 +47,19 @@ from typing import Any
 from safepoint.core.errors import UsageError
 from safepoint.validation.audit import Thresholds
 from safepoint.validation.loaders.base import Limits, Problem
+from safepoint.validation.roles import Rules
 from safepoint.validation.sandbox import SANDBOX_KEYS, SandboxLimits, sandbox_limits_from
 
 # Problems that can never be downgraded to warnings: unreadable or unsafe bytes.
 ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING, Problem.LIMIT})
 
 _THRESHOLD_KEYS = {"norm_jump_factor": "norm_jump_factor", "norm_floor": "norm_floor",
+                   "norm_jump_rms_floor": "rms_floor",
                    "norm_jump_min_numel": "min_numel", "norm_jump_ignore": "ignore"}
 _LIMIT_KEYS = {f.name for f in fields(Limits)}
-_OWN_KEYS = {"model", "model_key", "optimizer_key", "step_key", "check_step", "warn_only", "device", "threads"}
+_OWN_KEYS = {"model", "model_key", "optimizer_key", "step_key", "check_step", "warn_only", "device", "threads",
+             "opaque_pickle", "unknown_format", "rules", "roles"}
+REPORT, FAIL = "report", "fail"
 KNOWN_KEYS = frozenset(_OWN_KEYS | set(_THRESHOLD_KEYS) | _LIMIT_KEYS | SANDBOX_KEYS)
 
 
@@ -64,6 +76,9 @@ class ValidationSettings:
     warn_only: frozenset[Problem] = frozenset()
     limits: Limits = field(default_factory=Limits)
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # safepoint.sandbox: memory, CPU, wall clock
+    rules: Rules = field(default_factory=Rules)    # role of each tensor and what non-finite/norm jumps do
+    opaque_pickle: str = REPORT                    # refused pickles: reported as not loaded, or failing
+    unknown_format: str = REPORT                   # files in no known format: reported, or failing
 
     def failing(self, problem: Problem) -> bool:
         return problem in ALWAYS_FAILING or problem not in self.warn_only
@@ -134,6 +149,13 @@ class ValidationSettings:
             out = replace(out, check_step=doc["check_step"])
         if SANDBOX_KEYS & set(doc):
             out = replace(out, sandbox=sandbox_limits_from(out.sandbox, doc, where=where))
+        for key in ("opaque_pickle", "unknown_format"):
+            if key in doc:
+                if doc[key] not in (REPORT, FAIL):
+                    raise bad(key, '"report" or "fail"')
+                out = replace(out, **{key: doc[key]})
+        if "rules" in doc or "roles" in doc:
+            out = replace(out, rules=out.rules.merged(doc.get("rules"), doc.get("roles"), where=where))
         if "warn_only" in doc:
             v = doc["warn_only"]
             names = {p.value: p for p in Problem}

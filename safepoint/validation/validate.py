@@ -13,16 +13,25 @@ On top of what loading alone catches, validation can run:
   vs the catalog's step;
 - a norm-jump audit against the previous verified checkpoint of the run (`baseline`).
 
+Every tensor has a role (safepoint.validation.roles: parameter, buffer, optimizer state, trainer metadata, RNG
+state, unknown); the rules table says per role whether NaN/Inf fail or are reported as warnings,
+and whether the norm-jump audit compares it. Files are classified before anything loads them
+(safepoint.validation.loaders.kinds): a pickle that the weights-only unpickler refuses and an unknown format are
+"not loaded" (hashed and replicated, not damage, unless `opaque_pickle`/`unknown_format = "fail"`);
+a file that claims a known format and does not parse is damage. The step a trainer recorded
+(safepoint.validation.layouts) is checked against the catalog's.
+
 Results are data (ValidationReport), never exceptions: a file that cannot be loaded is a finding,
 not a crash. Only a model factory that cannot be built raises (HarnessError: a usage error, not a
 verdict on the checkpoint). Problems listed in `warn_only` are reported as warnings.
 
-Extension points: `iter_file_leaves(path)` / `iter_file_tensors(path)` (safepoint.loaders) give the
+Extension points: `iter_file_leaves(path)` / `iter_file_tensors(path)` (safepoint.validation.loaders) give the
 leaves or tensors of any supported file; `tensor_stat(name, t)` computes stats of one tensor.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -35,6 +44,8 @@ from safepoint.core.errors import FormatError
 from safepoint.core.format import CONTROL_FILES, TMP_PREFIX, safe_relpath
 from safepoint.validation.audit import Baseline, TensorStat, norm_jumps, stat_of, tensor_stat
 from safepoint.validation.harness import Found, Harness, TensorSpec, build_harness, check
+from safepoint.validation.layouts import PLAIN as PLAIN_LAYOUT
+from safepoint.validation.layouts import TRAINER_STATE, RecordedStep, detect_layout, is_step_leaf, step_mismatches
 from safepoint.validation.loaders import (
     SAFETENSORS,
     TORCH,
@@ -50,8 +61,11 @@ from safepoint.validation.loaders import (
     one_line,
 )
 from safepoint.validation.loaders.dcp import DCP_SUFFIX, METADATA_NAME
+from safepoint.validation.loaders.kinds import JSON, PICKLE, UNKNOWN, bare_pickle_dangerous, file_kind, holds_tensors
 from safepoint.validation.loaders.torchsave import ZIP_MAGIC
+from safepoint.validation.roles import FAIL, OFF, WARN
 from safepoint.validation.sandbox import note, run_limited
+from safepoint.validation.settings import FAIL as SETTING_FAIL
 from safepoint.validation.settings import ValidationSettings
 
 __all__ = [
@@ -60,6 +74,9 @@ __all__ = [
 ]
 
 FILE_OK, FILE_INVALID, FILE_SKIPPED, FILE_MISSING = "ok", "invalid", "skipped", "missing"
+FILE_NOT_LOADED = "not loaded"   # hashed and replicated, never loaded: opaque pickle or unknown format
+OPAQUE_PICKLE, UNKNOWN_FORMAT = "not loaded: opaque pickle", "not loaded: unknown format"
+MAX_JSON_BYTES = 64 * 1024 * 1024
 # Plain values kept for the harness (param groups, step): small ones only.
 _MAX_VALUE_ITEMS = 1_000_000
 
@@ -70,14 +87,19 @@ class Finding:
     tensor: str | None
     problem: Problem
     message: str
+    role: str | None = None   # the tensor's role (safepoint.validation.roles), when the finding is about a tensor
 
     def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "tensor": self.tensor, "problem": self.problem.value, "message": self.message}
+        d = {"file": self.file, "tensor": self.tensor, "problem": self.problem.value, "message": self.message}
+        if self.role:
+            d["role"] = self.role
+        return d
 
 
 @dataclass
 class ValidationReport:
-    files: dict[str, str] = field(default_factory=dict)   # path -> ok | invalid | skipped | missing
+    files: dict[str, str] = field(default_factory=dict)   # path -> ok | invalid | skipped | missing | not loaded
+    not_loaded: dict[str, str] = field(default_factory=dict)  # path (or path:entry) -> why it was not loaded
     stats: list[TensorStat] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)   # failing: the checkpoint is not verified
     warnings: list[Finding] = field(default_factory=list)   # flagged but not failing (warn_only)
@@ -98,6 +120,8 @@ class ValidationReport:
 
     def summary(self) -> str:
         counts = {s: 0 for s in (FILE_OK, FILE_INVALID, FILE_MISSING, FILE_SKIPPED)}
+        if any(s == FILE_NOT_LOADED for s in self.files.values()):
+            counts[FILE_NOT_LOADED] = 0
         for status in self.files.values():
             counts[status] = counts.get(status, 0) + 1
         head = (f"{self.outcome}: {len(self.files)} files ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
@@ -117,6 +141,7 @@ class ValidationReport:
             "ok": self.ok,
             "summary": self.summary(),
             "files": dict(sorted(self.files.items())),
+            "not_loaded": dict(sorted(self.not_loaded.items())),
             "tensors": len(self.stats),
             "bytes_checked": sum(_nbytes(s) for s in self.stats),
             "findings": [f.to_dict() for f in self.findings],
@@ -170,9 +195,38 @@ class _Validator:
         self.limits = settings.limits
         self.report = ValidationReport()
         self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
+        self.layout = PLAIN_LAYOUT
+        self.recorded: list[RecordedStep] = []  # steps the trainer wrote inside (safepoint.validation.layouts)
 
-    def find(self, file: str, problem: Problem, message: str, tensor: str | None = None) -> None:
-        self.report.findings.append(Finding(file, tensor, problem, message))
+    def find(self, file: str, problem: Problem, message: str, tensor: str | None = None,
+             role: str | None = None) -> None:
+        self.report.findings.append(Finding(file, tensor, problem, message, role))
+
+    def not_loaded(self, file: str, why: str, problem: Problem, entry: str | None = None) -> None:
+        """A file (or one DCP entry) that is never loaded: a note, or a failure if the settings say so."""
+        setting = self.settings.opaque_pickle if problem is Problem.OPAQUE else self.settings.unknown_format
+        if setting == SETTING_FAIL:
+            key = "opaque_pickle" if problem is Problem.OPAQUE else "unknown_format"
+            self.find(file, problem, f"{file}{': ' + entry if entry else ''}: {why} ({key} = fail)", entry)
+            self.status(file, FILE_INVALID)
+            return
+        self.report.not_loaded[f"{file}:{entry}" if entry else file] = why
+        if entry is None:
+            self.status(file, FILE_NOT_LOADED)
+            if problem is Problem.OPAQUE and holds_tensors(file):
+                self.report.warnings.append(Finding(file, None, problem, f"{file}: {why}: the tensors it may hold "
+                                                    "were not checked"))
+
+    def nonfinite(self, file: str, name: str, problem: Problem, count: int) -> None:
+        """NaN/Inf in one tensor: what its role's rule says (fail, warn, off)."""
+        role = self.settings.rules.role(file, name)
+        action = self.settings.rules.rule(role).nonfinite
+        what = "NaN" if problem is Problem.NAN else "Inf"
+        message = f"{name}: {count} {what} values ({role})"
+        if action == FAIL:
+            self.find(file, problem, message, name, str(role))
+        elif action == WARN:
+            self.report.warnings.append(Finding(file, name, problem, message, str(role)))
 
     def flag(self, file: str, problem: Problem, message: str, tensor: str | None = None) -> None:
         """A harness or audit flag: failing, or a warning when the settings say so."""
@@ -185,7 +239,7 @@ class _Validator:
 
     def status(self, file: str, status: str) -> None:
         # missing and invalid win over ok/skipped
-        rank = {FILE_SKIPPED: 0, FILE_OK: 1, FILE_INVALID: 2, FILE_MISSING: 3}
+        rank = {FILE_SKIPPED: 0, FILE_NOT_LOADED: 1, FILE_OK: 1, FILE_INVALID: 2, FILE_MISSING: 3}
         old = self.report.files.get(file)
         if old is None or rank[status] > rank[old]:
             self.report.files[file] = status
@@ -197,6 +251,8 @@ class _Validator:
             if not isinstance(leaf, TensorSource):
                 if _small_value(leaf):
                     self.values[name] = leaf
+                    if is_step_leaf(self.layout, file, name):
+                        self.recorded.append(RecordedStep(file, name, leaf))
                 continue
             try:
                 st = stat_of(name, leaf, file=file, chunk_elems=self.limits.stats_chunk_elems)
@@ -212,10 +268,12 @@ class _Validator:
             self.report.stats.append(st)
             if st.value is not None:
                 self.values.setdefault(name, st.value)
+                if is_step_leaf(self.layout, file, name):
+                    self.recorded.append(RecordedStep(file, name, st.value))
             if st.nan_count:
-                self.find(file, Problem.NAN, f"{name}: {st.nan_count} NaN values", name)
+                self.nonfinite(file, name, Problem.NAN, st.nan_count)
             if st.inf_count:
-                self.find(file, Problem.INF, f"{name}: {st.inf_count} Inf values", name)
+                self.nonfinite(file, name, Problem.INF, st.inf_count)
 
     def run(self, files: list[str]) -> ValidationReport:
         present: list[str] = []
@@ -239,6 +297,8 @@ class _Validator:
             else:
                 present.append(rel)
         listed = set(files)
+        self.layout = detect_layout(present)
+        self.report.checks["layout"] = self.layout
         claimed: set[str] = set()
         for rel in present:
             if rel.rsplit("/", 1)[-1] == METADATA_NAME:
@@ -264,9 +324,17 @@ class _Validator:
             self.status(rel, FILE_INVALID)
             self.find(rel, Problem.UNLOADABLE, f"{rel}: {one_line(e)}")
             return
-        if fmt not in (TORCH, SAFETENSORS):
-            self.status(rel, FILE_SKIPPED)
-            return
+        if fmt != SAFETENSORS:
+            try:
+                kind = file_kind(path)  # by content and by names only one format uses (not `.bin`)
+            except OSError as e:
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.UNLOADABLE, f"{rel}: {one_line(e)}")
+                return
+            if kind not in (TORCH, SAFETENSORS):
+                self.validate_other(rel, kind)
+                return
+            fmt = kind
         errors: list[LoadError] = []
         try:
             self.add_leaves(rel, iter_file_leaves(path, limits=self.limits, on_problem=errors.append), errors.append)
@@ -276,10 +344,48 @@ class _Validator:
             raise  # a limit, not a finding about this file (the sandbox reports it)
         except Exception as e:  # a loader bug or an unexpected library error: still data
             errors.append(LoadError(Problem.UNLOADABLE, one_line(e)))
+        if len(errors) == 1 and errors[0].problem is Problem.OPAQUE and errors[0].tensor is None:
+            self.not_loaded(rel, f"{OPAQUE_PICKLE}{errors[0].message.removeprefix('not loaded: opaque pickle')}",
+                            Problem.OPAQUE)
+            return
         for e in errors:
             self.find(rel, e.problem, f"{rel}: {e.message}", e.tensor)
         had_findings = errors or any(f.file == rel for f in self.report.findings)
         self.status(rel, FILE_INVALID if had_findings else FILE_OK)
+
+    def validate_other(self, rel: str, kind: str) -> None:
+        """A file that is not a tensor format: JSON is parsed (trainer_state.json's step is kept), a
+        bare pickle is scanned and never loaded, anything else is hashed only."""
+        path = self.folder / rel
+        if kind == JSON:
+            size = path.stat().st_size
+            if size > MAX_JSON_BYTES:
+                self.not_loaded(rel, f"{UNKNOWN_FORMAT} (JSON over {MAX_JSON_BYTES} bytes)", Problem.UNLOADABLE)
+                return
+            try:
+                doc = json.loads(path.read_bytes())
+            except (ValueError, OSError) as e:
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.MALFORMED, f"{rel}: not valid JSON ({one_line(e)})")
+                return
+            self.status(rel, FILE_OK)
+            if rel.rsplit("/", 1)[-1] == TRAINER_STATE and isinstance(doc, dict) and "global_step" in doc:
+                self.recorded.append(RecordedStep(rel, "global_step", doc["global_step"]))
+            return
+        if kind == PICKLE:
+            names, bad, why = bare_pickle_dangerous(path)
+            if bad:
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.UNSAFE, f"{rel}: refused: the pickle names {', '.join(bad[:3])}")
+            elif why is not None:
+                self.status(rel, FILE_INVALID)
+                self.find(rel, Problem.UNLOADABLE, f"{rel}: corrupt pickle ({why[:200]})")
+            else:
+                self.not_loaded(rel, OPAQUE_PICKLE + (f" (names {', '.join(names[:3])})" if names else ""),
+                                Problem.OPAQUE)
+            return
+        assert kind == UNKNOWN
+        self.not_loaded(rel, UNKNOWN_FORMAT, Problem.UNLOADABLE)
 
     def validate_dcp(self, meta_rel: str, listed: set[str]) -> set[str]:
         """Validate the DCP checkpoint whose metadata is meta_rel; return the files it claims."""
@@ -313,6 +419,10 @@ class _Validator:
             file = prefix + e.file if e.file else meta_rel
             if e.file in unlisted and e.problem is Problem.MISSING:
                 return  # already reported above
+            if e.problem is Problem.OPAQUE and e.tensor:
+                why = e.message.partition("not loaded: ")[2]
+                self.not_loaded(file, f"not loaded: {why}" if why else OPAQUE_PICKLE, Problem.OPAQUE, e.tensor)
+                return
             self.status(file, FILE_MISSING if e.problem is Problem.MISSING else FILE_INVALID)
             self.find(file, e.problem, e.message, e.tensor)
 
@@ -352,11 +462,30 @@ class _Validator:
 
     def run_audit(self, baseline: Baseline) -> None:
         t = self.settings.thresholds
-        jumps, compared = norm_jumps(self.report.stats, baseline, t)
+        rules = self.settings.rules
+        action = {(s.file, s.name): rules.rule(rules.role(s.file, s.name)).norm_jump for s in self.report.stats}
+        jumps, compared = norm_jumps(self.report.stats, baseline, t,
+                                     include=lambda s: action[(s.file, s.name)] != OFF)
         self.report.checks["audit"] = {"against": baseline.label, "compared": compared,
                                        "norm_jump_factor": t.norm_jump_factor, "flagged": len(jumps)}
         for j in jumps:
-            self.flag(j.file, Problem.NORM_JUMP, j.message(baseline.label, t.norm_jump_factor or 0), j.name)
+            role = rules.role(j.file, j.name)
+            message = j.message(baseline.label, t.norm_jump_factor or 0) + f" ({role})"
+            if action[(j.file, j.name)] == WARN:
+                self.report.warnings.append(Finding(j.file, j.name, Problem.NORM_JUMP, message, str(role)))
+            else:
+                self.flag(j.file, Problem.NORM_JUMP, message, j.name)
+
+    def run_step_check(self, step: int | None) -> None:
+        """The step the trainer recorded inside (trainer_state.json, Lightning, torchtitan) vs the catalog's."""
+        if self.recorded:
+            self.report.checks["recorded_step"] = {
+                "layout": self.layout, "catalog": step,
+                "checkpoint": [{"file": r.file, "key": r.key, "value": r.value} for r in self.recorded]}
+        if any(f.problem is Problem.STEP for f in self.report.findings + self.report.warnings):
+            return  # the harness already compared it
+        for r, why in step_mismatches(self.layout, self.recorded, step):
+            self.flag(r.file, Problem.STEP, why, r.key)
 
 
 @contextmanager
@@ -418,6 +547,8 @@ def validate_snapshot(
         v.run_harness(harness, step)
     if baseline is not None and not unreadable:
         v.run_audit(baseline)
+    if settings.check_step and not unreadable:
+        v.run_step_check(step)
     return v.report
 
 

@@ -20,6 +20,7 @@ class Problem(str, Enum):
     INF = "inf"                  # a tensor holds +/-inf values
     UNLOADABLE = "unloadable"    # the loader failed (truncated, corrupt, unsupported)
     UNSAFE = "unsafe"            # loading would run code or escape the folder: refused
+    OPAQUE = "opaque"            # a pickle the weights-only unpickler refuses (no code named): not loaded
     MALFORMED = "malformed"      # the bytes break the format (bad header, bad offsets, bad metadata)
     MISSING = "missing"          # a file the snapshot needs is absent
     # Strict dry-run load against the model factory (safepoint.harness):
@@ -145,7 +146,7 @@ class TensorSource:
 
 class LoadedTensor(TensorSource):
     """A tensor already addressable in memory (possibly memory-mapped). `release(piece)` is called
-    after each piece is consumed, e.g. to drop the file pages it mapped (safepoint.loaders.mapped)."""
+    after each piece is consumed, e.g. to drop the file pages it mapped (safepoint.validation.loaders.mapped)."""
 
     def __init__(self, t: torch.Tensor, release: Callable[[torch.Tensor], None] | None = None) -> None:
         self.tensor = t.detach()

@@ -36,7 +36,7 @@ from safepoint.validation.loaders.base import (
 )
 from safepoint.validation.loaders.dcp_metadata import clip, decode_metadata
 from safepoint.validation.loaders.dcp_tiling import tiling_problem
-from safepoint.validation.loaders.torchsave import torch_load_safely
+from safepoint.validation.loaders.torchsave import ZIP_MAGIC, torch_load_safely
 
 METADATA_NAME = ".metadata"
 DCP_SUFFIX = ".distcp"
@@ -311,6 +311,9 @@ class DcpCheckpoint:
             raise LoadError(Problem.UNLOADABLE, f"{fqn}: non-tensor entry of {info.length} bytes is over the "
                             f"{self.limits.max_dcp_bytes_entry}-byte limit")
         data = self._stream(info, handles).read()
+        if not data.startswith(ZIP_MAGIC):  # an io.BytesIO entry: DCP wrote the caller's bytes as they were
+            raise LoadError(Problem.OPAQUE, f"{fqn}: not loaded: raw bytes (io.BytesIO entry)",
+                            file=info.relative_path, tensor=fqn)
         return self._load(fqn, info, io.BytesIO(data))
 
     @staticmethod

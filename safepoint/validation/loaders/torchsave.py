@@ -2,7 +2,7 @@
 
 For validation the zip format is memory-mapped (`mmap=True`): the pickle is read, tensor data is
 not; each tensor is then read in place, piece by piece, and its pages are released as soon as they
-have been read (safepoint.loaders.mapped), so peak memory does not grow with the file. The legacy
+have been read (safepoint.validation.loaders.mapped), so peak memory does not grow with the file. The legacy
 and tar formats cannot be mapped and are loaded whole.
 """
 
@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import torch
 
+from safepoint.validation.loaders.allowlist import dangerous, globals_in_message, refused_globals, scoped_safe_globals
 from safepoint.validation.loaders.base import (
     Limits,
     LoadedTensor,
@@ -72,15 +73,21 @@ def load_torch(path: str | os.PathLike) -> object:
 
 
 def torch_load_safely(source: str | os.PathLike | IO[bytes], *, mmap: bool = False) -> object:
-    """torch.load(source, map_location="cpu", weights_only=True); any failure becomes a LoadError."""
+    """torch.load(source, map_location="cpu", weights_only=True), with the numpy allow-list
+    (safepoint.loaders.allowlist); any failure becomes a LoadError.
+
+    A refusal is OPAQUE (not loaded, not damage) when the pickle names no global that could run
+    code, UNSAFE when it does.
+    """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+            with scoped_safe_globals():
+                return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         text = str(e)
         if any(k in text for k in _UNSAFE_HINTS):
-            raise LoadError(Problem.UNSAFE, f"refused by the weights-only unpickler: {one_line(e)}") from None
+            raise _refusal(source, e) from None
         if "Weights only load failed" in text:
             raise LoadError(Problem.UNLOADABLE, f"corrupt or unsupported pickle: {one_line(e)}") from None
         raise LoadError(Problem.UNLOADABLE, f"corrupt pickle: {one_line(e)}") from None
@@ -90,6 +97,17 @@ def torch_load_safely(source: str | os.PathLike | IO[bytes], *, mmap: bool = Fal
         raise LoadError(Problem.UNLOADABLE, "out of memory while loading") from None
     except Exception as e:  # torch raises RuntimeError/ValueError/KeyError/... for corrupt files
         raise LoadError(Problem.UNLOADABLE, f"torch.load failed: {one_line(e)}") from None
+
+
+def _refusal(source: str | os.PathLike | IO[bytes], e: Exception) -> LoadError:
+    names = refused_globals(source)
+    if names is None:
+        names = globals_in_message(str(e))
+    bad = dangerous(names)
+    if bad or not names or "blocked" in str(e):
+        return LoadError(Problem.UNSAFE, f"refused by the weights-only unpickler: {one_line(e)}")
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return LoadError(Problem.OPAQUE, f"not loaded: opaque pickle (names {shown})")
 
 
 def iter_torch_tensors(path: str | os.PathLike, limits: Limits = Limits()) -> Iterator[tuple[str, torch.Tensor]]:

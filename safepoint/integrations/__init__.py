@@ -1,0 +1,14 @@
+"""One line in a training script: seal each checkpoint a trainer writes, as it is written.
+
+- `safepoint.integrations.huggingface.SafepointCallback`: a `transformers.TrainerCallback`
+  (extra `huggingface`);
+- `safepoint.integrations.lightning.SafepointCheckpointIO`: a Lightning `CheckpointIO` that writes
+  each checkpoint into its own `step-N/` folder and seals it (extra `lightning`);
+- `safepoint.integrations.dcp`: `save(...)` and `seal_finished(...)` for torchtitan and `dcp.save` users;
+- `safepoint.integrations.accelerate.save_state(...)`: `Accelerator.save_state` into `step-N/`, sealed.
+
+Sealing is `safepoint.commit` (hash, fsync, manifest, marker). Each optionally emits the
+`safepoint.checkpoint.committed` event so a Prefect deployment ingests it at once; otherwise
+`safepoint watch` finds the marker. The core never imports any trainer library: each module imports
+its own, and this package imports none of them.
+"""

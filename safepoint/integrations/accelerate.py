@@ -1,0 +1,32 @@
+"""Accelerate: `Accelerator.save_state` into `step-N/`, sealed once every process has written.
+
+    from safepoint.integrations.accelerate import save_state
+    save_state(accelerator, "ckpt", run="my-run", step=step)
+
+Accelerate writes `model.safetensors`, `optimizer.bin`, `scheduler.bin` and one
+`random_states_<rank>.pkl` per process (numpy and Python RNG state, loaded through Safepoint's
+allow-list). To resume: `accelerator.load_state(str(safepoint.restore(run, into)))`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from safepoint.integrations.sealing import SealOptions, seal
+
+__all__ = ["save_state"]
+
+
+def save_state(accelerator: Any, root: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
+               node: str | None = None, **kwargs: Any) -> Path:
+    """accelerator.save_state(root/step-N), wait for everyone, seal on the main process. Returns the folder."""
+    folder = Path(root) / f"step-{step}"
+    accelerator.save_state(str(folder), **kwargs)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        seal(folder, step, SealOptions(run, tuple(emit_to), node))
+    accelerator.wait_for_everyone()
+    return folder

@@ -1,0 +1,63 @@
+"""torch.distributed.checkpoint (DCP) and torchtitan: seal each `step-N/` folder once it is complete.
+
+Two ways, by who calls `dcp.save`:
+
+    # your loop calls DCP: save and seal in one call (every rank calls it; rank 0 seals)
+    from safepoint.integrations import dcp as sp_dcp
+    sp_dcp.save(state_dict, "ckpt", run="my-run", step=step)
+
+    # torchtitan's CheckpointManager writes `<dump_folder>/checkpoint/step-N/`: after each save
+    # (or from a side process), seal every finished folder
+    sp_dcp.seal_finished("outputs/checkpoint", run="my-run")
+
+DCP writes `.metadata` last, after every rank's `.distcp` data, so a folder with `.metadata` is
+finished (async saves included); one without is still being written and is left alone.
+To resume: `dcp.load(state_dict, checkpoint_id=str(safepoint.restore(run, into)))`, or point
+torchtitan's `checkpoint.folder` at the restored folder's parent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from safepoint.integrations.sealing import SealOptions, seal, step_of_folder
+from safepoint.local.snapshot import is_committed
+from safepoint.validation.loaders.dcp import METADATA_NAME
+
+__all__ = ["save", "seal_finished"]
+
+
+def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
+         node: str | None = None, process_group: Any = None, **dcp_kwargs: Any) -> Path:
+    """`dcp.save(state_dict)` into `root/step-N`, wait for every rank, seal on rank 0. Returns the folder."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(root) / f"step-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(state_dict, checkpoint_id=str(folder), process_group=process_group, **dcp_kwargs)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        dist.barrier(group=process_group)
+    if not distributed or dist.get_rank() == 0:
+        seal(folder, step, SealOptions(run, tuple(emit_to), node))
+    if distributed:
+        dist.barrier(group=process_group)  # nobody moves on before the seal
+    return folder
+
+
+def seal_finished(root: str | os.PathLike, *, run: str, emit_to: Sequence[str] = (), node: str | None = None,
+                  strict: bool = True) -> list[Path]:
+    """Seal every finished, unsealed `step-N` folder under root (torchtitan's layout); the ones sealed now."""
+    sealed: list[Path] = []
+    options = SealOptions(run, tuple(emit_to), node, strict=strict)
+    folders = [p for p in Path(root).iterdir() if p.is_dir() and step_of_folder(p) is not None]
+    for folder in sorted(folders, key=lambda p: step_of_folder(p) or 0):
+        if is_committed(folder) or not (folder / METADATA_NAME).is_file():
+            continue
+        if seal(folder, step_of_folder(folder) or 0, options) is not None:
+            sealed.append(folder)
+    return sealed

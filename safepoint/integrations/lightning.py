@@ -1,0 +1,73 @@
+"""PyTorch Lightning: each checkpoint written into its own `step-N/` folder, and sealed there.
+
+    from safepoint.integrations.lightning import SafepointCheckpointIO
+    trainer = pl.Trainer(..., plugins=[SafepointCheckpointIO(run="my-run")])
+
+`ModelCheckpoint` keeps choosing names and when to save; this CheckpointIO redirects each save of
+`dirpath/epoch=0-step=100.ckpt` to `dirpath/step-100/epoch=0-step=100.ckpt` (N is the checkpoint's
+own `global_step`, which validation checks against the catalog's step) and seals that folder at
+once. A second save at the same step (`last.ckpt`) is written where Lightning asked, unsealed: the
+sealed copy is already the resume point. Removing a sealed checkpoint (`save_top_k` rotation) only
+removes files of folders that are not sealed: sealed ones belong to retention (`safepoint prune`).
+Single-file strategies (single device, DDP) write on global rank 0 only, which is where this runs.
+To resume: `trainer.fit(model, ckpt_path=str(next(safepoint.restore(run, into).glob("*.ckpt"))))`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from safepoint.integrations.sealing import SealOptions, seal
+from safepoint.local.snapshot import is_committed
+
+__all__ = ["SafepointCheckpointIO", "step_folder"]
+
+log = logging.getLogger("safepoint.integrations")
+
+
+def step_folder(path: str | os.PathLike, step: int) -> Path:
+    """Where a checkpoint Lightning names `path` goes: a `step-N` folder beside it."""
+    p = Path(path)
+    return p.parent / f"step-{step}" / p.name
+
+
+class SafepointCheckpointIO(CheckpointIO):
+    """A CheckpointIO that writes through `inner` (torch.save by default) into step folders, sealed."""
+
+    def __init__(self, run: str, *, inner: CheckpointIO | None = None, emit_to: Sequence[str] = (),
+                 node: str | None = None, workers: int = 2, strict: bool = True) -> None:
+        self.inner = inner or TorchCheckpointIO()
+        self.options = SealOptions(run, tuple(emit_to), node, workers, strict)
+        self.sealed: list[Path] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        step = int(checkpoint.get("global_step", 0))
+        target = step_folder(path, step)
+        if is_committed(target.parent):
+            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        self.inner.save_checkpoint(checkpoint, target, storage_options=storage_options)
+        if seal(target.parent, step, self.options) is not None:
+            self.sealed.append(target.parent)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        p = Path(path)
+        for folder in p.parent.glob(f"step-*/{p.name}"):
+            if is_committed(folder.parent):
+                log.info("safepoint: keeping sealed %s (retention decides)", folder.parent)
+                return
+        if p.exists():
+            self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
