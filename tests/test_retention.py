@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safepoint.cli.main.main import main
+from safepoint.cli.main import main
 from safepoint.core.errors import UsageError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
 from safepoint.core.states import CheckpointState as C

@@ -376,7 +376,7 @@ def test_safetensors_pieces_reuse_one_buffer(tmp_path: Path) -> None:
 
 
 def test_cli_validate_with_model_checks_the_manifest_step(tmp_path: Path, capsys) -> None:
-    from safepoint.cli.main.main import main
+    from safepoint.cli.main import main
     from safepoint.local.commit import commit
 
     make_torch_save_ckpt(tmp_path)  # records "step": 2

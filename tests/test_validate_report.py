@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from safepoint.catalog.store import open_catalog
-from safepoint.cli.main.main import main
+from safepoint.cli.main import main
 from safepoint.local.commit import commit
 from safepoint.ops.ingest import ingest
 from safepoint.validation.report import artifact_key, finding_rows, markdown, tensor_rows

@@ -22,7 +22,7 @@ from safepoint.core.exits import EXIT_BAD, EXIT_OK
 
 
 def cmd_serve(args) -> int:
-    from safepoint.cli.main.common import _catalog, err
+    from safepoint.cli.common import _catalog, err
     from safepoint.flows.deployments import api_url, build, serve_all
     from safepoint.ops import metrics
 
@@ -46,13 +46,13 @@ def cmd_serve(args) -> int:
 
 def cmd_watch(args) -> int:
     if not args.emit:
-        from safepoint.cli.main.common import watch_here as ingest_here
+        from safepoint.cli.common import watch_here as ingest_here
 
         return ingest_here(args)
-    from safepoint.cli.main.common import _catalog, err
+    from safepoint.cli.common import _catalog, err
     from safepoint.core.config import home, load_config
-    from safepoint.events.markers.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
-    from safepoint.events.markers.watch import EmitWatcher
+    from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
+    from safepoint.events.watch import EmitWatcher
     from safepoint.flows.deployments import api_url
     from safepoint.flows.gateway import PrefectGateway
     from safepoint.ops.leases import this_host
@@ -77,7 +77,7 @@ def cmd_watch(args) -> int:
 
 
 def cmd_metrics(args) -> int:
-    from safepoint.cli.main.common import _catalog
+    from safepoint.cli.common import _catalog
     from safepoint.ops import metrics
 
     print(metrics.render(_catalog(args).url).decode(), end="")
@@ -85,7 +85,7 @@ def cmd_metrics(args) -> int:
 
 
 def cmd_parts(args) -> int:
-    from safepoint.cli.main.common import _catalog, out
+    from safepoint.cli.common import _catalog, out
     from safepoint.core.config import load_config
     from safepoint.ops import assemble
 

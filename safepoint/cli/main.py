@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from safepoint.cli.main.common import (
+from safepoint.cli.common import (
     EXIT_BAD,
     EXIT_ERROR,
     EXIT_OK,
@@ -24,18 +24,18 @@ from safepoint.cli.main.common import (
     run_ingest_flow,
     watch_here,
 )
-from safepoint.cli.main.guard import guarded
-from safepoint.cli.main.quiet import quiet_prefect
+from safepoint.cli.guard import guarded
+from safepoint.cli.quiet import quiet_prefect
 from safepoint.core.errors import SafepointError, UsageError
 from safepoint.flows.local_server import ensure_api
 
 # Modules that add subcommands (see build_parser); absent ones are skipped.
 EXTENSIONS = (
-    "safepoint.cli.main.catalog_cmds",    # lineage, risk, retention policies
-    "safepoint.cli.main.validation_cmds", # show
-    "safepoint.cli.main.events_cmds",     # serve, watch --emit
-    "safepoint.cli.main.repair_cmds",     # reconcile, scrub
-    "safepoint.cli.main.server_cmds",     # server start|stop|status
+    "safepoint.cli.catalog_cmds",    # lineage, risk, retention policies
+    "safepoint.cli.validation_cmds", # show
+    "safepoint.cli.events_cmds",     # serve, watch --emit
+    "safepoint.cli.repair_cmds",     # reconcile, scrub
+    "safepoint.cli.server_cmds",     # server start|stop|status
 )
 
 
@@ -249,7 +249,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from safepoint.cli.main.demo import run_demo
+    from safepoint.cli.demo import run_demo
 
     return run_demo(Path(args.dir) if args.dir else None, console=out)
 

@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_show(args: Any) -> int:
-    from safepoint.cli.main.common import _catalog, err, out
+    from safepoint.cli.common import _catalog, err, out
 
     cat = _catalog(args)
     row = cat.get(args.run, args.step)

@@ -226,7 +226,7 @@ def test_manifest_without_marker_does_not_exist(tmp_path, template, sqlite_catal
     """docs/format.md: a folder without COMMITTED does not exist for Safepoint. It is refused with a
     clear error and never cataloged (there is nothing to call valid or corrupt yet)."""
     from safepoint.core.errors import FormatError
-    from safepoint.events.markers.watch import pending_snapshots
+    from safepoint.events.watch import pending_snapshots
     from safepoint.ops import ingest as pipeline
 
     folder = _committed(tmp_path, template, "manifest-only", 99)
@@ -242,7 +242,7 @@ def test_manifest_without_marker_does_not_exist(tmp_path, template, sqlite_catal
 def test_refused_folder_is_not_retried_by_watch(tmp_path, template, sqlite_catalog):
     """Quarantined as corrupt, a refused folder stops being pending for `watch`."""
     from safepoint.core.errors import FormatError
-    from safepoint.events.markers.watch import pending_snapshots
+    from safepoint.events.watch import pending_snapshots
     from safepoint.ops import ingest as pipeline
 
     folder = _committed(tmp_path, template, "refused", 7)
