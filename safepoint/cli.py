@@ -23,6 +23,7 @@ EXTENSIONS = (
     "safepoint.cli_validation", # show
     "safepoint.cli_events",     # serve, watch --emit
     "safepoint.cli_repair",     # reconcile, scrub
+    "safepoint.cli_restore",    # restore
 )
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

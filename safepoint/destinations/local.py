@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from safepoint.commit import fsync_path
 from safepoint.destinations.fsspec_dest import FsspecDestination
+from safepoint.errors import DestinationError
 from safepoint.format import TMP_PREFIX, FileEntry
 from safepoint.hashing import CHUNK, hash_path, new_hasher
 
@@ -28,6 +30,10 @@ class LocalDestination(FsspecDestination):
 
     def digest(self, run: str, step: int, relpath: str) -> str:
         return hash_path(self._local(run, step, relpath))[1]
+
+    def fetch(self, run: str, step: int, relpath: str, target: Path,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+        return copy_and_hash(self._local(run, step, relpath), target, on_bytes)
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         dst = self._local(run, step, entry.path)
@@ -84,3 +90,35 @@ class LocalDestination(FsspecDestination):
         finally:
             tmp.unlink(missing_ok=True)
         return True
+
+
+def copy_and_hash(source: Path, target: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """Copy a local file, hashing each byte once as it goes; returns the BLAKE3 of what was read.
+
+    A read failure other than a missing file is the source's (DestinationError); a write failure
+    is the target disk's (OSError), so a caller can tell a bad source from a full disk.
+    """
+    h = new_hasher(0)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    try:
+        src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise DestinationError(f"{source}: {e.strerror}") from e
+    with src, open(target, "wb", buffering=0) as out:
+        while True:
+            try:
+                n = src.readinto(buf)
+            except OSError as e:
+                raise DestinationError(f"{source}: {e.strerror}") from e
+            if not n:
+                break
+            h.update(view[:n])
+            rest = view[:n]
+            while rest:
+                rest = rest[out.write(rest):]
+            if on_bytes is not None:
+                on_bytes(n)
+    return h.hexdigest()

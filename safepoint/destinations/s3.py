@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
@@ -379,7 +380,23 @@ class S3Destination(FsspecDestination):
 
     def digest(self, run: str, step: int, relpath: str) -> str:
         """Read the object back (parallel ranged GETs of one version) and BLAKE3 it in order."""
-        key = self._key(run, step, relpath)
+        return self._read_back(self._key(run, step, relpath), None)
+
+    def fetch(self, run: str, step: int, relpath: str, target: Path,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+        """The read-back of `digest`, with every part also written to `target` at its offset, in order."""
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            def sink(offset: int, view: memoryview) -> None:
+                _write_all(fd, view, offset)  # OSError (a full disk) is the caller's: not a network fault
+                if on_bytes is not None:
+                    on_bytes(len(view))
+
+            return self._read_back(self._key(run, step, relpath), sink)
+        finally:
+            os.close(fd)
+
+    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None) -> str:
         head = self._head(key)
         if head is None:
             raise FileNotFoundError(self._where(key))
@@ -390,13 +407,15 @@ class S3Destination(FsspecDestination):
         ranges = [(off, min(self.pool.size, size - off)) for off in range(0, size, self.pool.size)]
         window = max(1, self.tuning.read_window)
         executor = self._pool_executor()
-        pending: deque[tuple[Future, bytearray]] = deque()
+        pending: deque[tuple[Future, bytearray, int]] = deque()
 
         def consume() -> None:
-            fut, buf = pending.popleft()
+            fut, buf, offset = pending.popleft()
             try:
-                n = fut.result()
-                hasher.update(memoryview(buf)[:n])
+                view = memoryview(buf)[:fut.result()]
+                if sink is not None:
+                    sink(offset, view)
+                hasher.update(view)
             finally:
                 self.pool.release(buf)
 
@@ -407,13 +426,13 @@ class S3Destination(FsspecDestination):
                     if buf is not None:
                         break
                     consume()
-                pending.append((executor.submit(self._get_range, key, etag, offset, length, buf), buf))
+                pending.append((executor.submit(self._get_range, key, etag, offset, length, buf), buf, offset))
                 if len(pending) >= window:
                     consume()
             while pending:
                 consume()
         finally:
-            for fut, buf in pending:  # after a failure: wait for the rest, give their buffers back
+            for fut, buf, _offset in pending:  # after a failure: wait for the rest, give their buffers back
                 fut.cancel()
                 if not fut.cancelled():
                     fut.exception()
@@ -602,6 +621,12 @@ class S3Destination(FsspecDestination):
         if found:
             log.info("aborted %d unfinished multipart upload(s) under %s", len(found), self._where(prefix))
         return len(found)
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _age_s(initiated: Any) -> float:
