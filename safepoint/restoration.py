@@ -428,9 +428,8 @@ def record_findings(catalog: Catalog, choice: _Choice, fetched: _Fetched) -> lis
         failed.append({"url": source.url, "state": state, "reason": reason})
     for path, tries in sorted(fetched.attempts.items()):
         for a in tries:
-            if a.source.local and a.outcome in (Outcome.BAD, Outcome.MISSING):
-                failed.append({"url": a.source.url, "state": "corrupt" if a.outcome is Outcome.BAD else "missing",
-                               "reason": f"{path}: {a.reason}"})
+            if a.source.local and a.outcome is Outcome.BAD:  # a local copy that is gone is no news
+                failed.append({"url": a.source.url, "state": "corrupt", "reason": f"{path}: {a.reason}"})
                 break
     if failed:
         settle_copies(catalog, choice.checkpoint_id)
