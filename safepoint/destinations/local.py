@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safepoint.commit import fsync_path
 from safepoint.destinations.fsspec_dest import FsspecDestination
+from safepoint.durable_write import FileWriter, aligned_buffer
 from safepoint.errors import DestinationError
 from safepoint.format import TMP_PREFIX, FileEntry
 from safepoint.hashing import CHUNK, hash_path, new_hasher
@@ -93,32 +94,34 @@ class LocalDestination(FsspecDestination):
 
 
 def copy_and_hash(source: Path, target: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    """Copy a local file, hashing each byte once as it goes; returns the BLAKE3 of what was read.
+    """Copy a local file, hashing each byte once as it goes, and fsync it; returns the BLAKE3 of what was read.
 
-    A read failure other than a missing file is the source's (DestinationError); a write failure
-    is the target disk's (OSError), so a caller can tell a bad source from a full disk.
+    Written through safepoint.durable_write (direct I/O from a page-aligned buffer where the disk
+    allows). A read failure other than a missing file is the source's (DestinationError); a write
+    failure is the target disk's (OSError), so a caller can tell a bad source from a full disk.
     """
     h = new_hasher(0)
-    buf = bytearray(CHUNK)
+    buf = aligned_buffer(CHUNK)
     view = memoryview(buf)
+    done = 0
     try:
         src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed below
     except FileNotFoundError:
         raise
     except OSError as e:
         raise DestinationError(f"{source}: {e.strerror}") from e
-    with src, open(target, "wb", buffering=0) as out:
+    with src, FileWriter(target) as out:
         while True:
             try:
-                n = src.readinto(buf)
+                n = src.readinto(view)
             except OSError as e:
                 raise DestinationError(f"{source}: {e.strerror}") from e
             if not n:
                 break
             h.update(view[:n])
-            rest = view[:n]
-            while rest:
-                rest = rest[out.write(rest):]
+            out.write_at(done, view[:n])
+            done += n
             if on_bytes is not None:
                 on_bytes(n)
+        out.sync()
     return h.hexdigest()
