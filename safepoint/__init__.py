@@ -6,7 +6,7 @@
 from safepoint.core.errors import CommitError, FormatError, SafepointError
 from safepoint.local.commit import commit
 
-__all__ = ["commit", "CommitError", "FormatError", "SafepointError", "Snapshotter"]
+__all__ = ["commit", "restore", "CommitError", "FormatError", "SafepointError", "Snapshotter"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from safepoint.snapshotter import Snapshotter
 
         return Snapshotter
+    if name == "restore":  # pulls in the catalog (SQLAlchemy), not torch or Prefect
+        from safepoint.ops.restore import restore
+
+        return restore
     raise AttributeError(f"module 'safepoint' has no attribute {name!r}")

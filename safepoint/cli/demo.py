@@ -75,4 +75,27 @@ def run_demo(workdir: Path | None = None, console: Console | None = None) -> int
         console.print("[red]no resume point[/red]")
         return 1
     console.print(f"[green]resume point[/green]: {RUN} step {decision.chosen.step} at {decision.urls[0]}")
+    return _way_back(workdir, nvme, cat, console)
+
+
+def _way_back(workdir: Path, nvme: Path, cat: object, console: Console) -> int:
+    """The node is lost: restore the resume point from the durable replica, verified, and load it."""
+    import shutil
+
+    import torch
+    from torch import nn
+
+    from safepoint.core.config import Config
+    from safepoint.ops.restore import restore
+
+    shutil.rmtree(nvme)
+    console.print(f"[yellow]deleted the local copies[/yellow] ({nvme.relative_to(workdir)}): the node is gone")
+    result = restore(RUN, workdir / "restored", catalog=cat, config=Config())  # type: ignore[arg-type]
+    console.print(f"[green]restored[/green] {RUN} step {result.step} into {result.path.relative_to(workdir)} "
+                  f"from {result.sources[0]}: {result.bytes_fetched} bytes, every one verified")
+    state = torch.load(result.path / "model.pt", weights_only=True)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    model.load_state_dict(state["model"])
+    console.print(f"loaded it: {sum(p.numel() for p in model.parameters())} parameters at step {state['step']}; "
+                  f"training resumes from here")
     return 0

@@ -36,6 +36,7 @@ EXTENSIONS = (
     "safepoint.cli.events_cmds",     # serve, watch --emit
     "safepoint.cli.repair_cmds",     # reconcile, scrub
     "safepoint.cli.server_cmds",     # server start|stop|status
+    "safepoint.cli.restore_cmds",    # restore
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
@@ -32,6 +33,15 @@ class Destination(ABC):
     @abstractmethod
     def digest(self, run: str, step: int, relpath: str) -> str:
         """Read a stored file back and return its BLAKE3."""
+
+    def fetch(self, run: str, step: int, relpath: str, target: Path,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+        """Copy a stored file to the local `target` and return the BLAKE3 of the bytes as they arrived.
+
+        A missing file raises FileNotFoundError, a failure of the store DestinationError; an OSError
+        is the local disk's (restore tells them apart: only the first two say anything of the replica).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot fetch files")
 
     @abstractmethod
     def read_control(self, run: str, step: int, name: str) -> bytes | None:

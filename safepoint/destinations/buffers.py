@@ -12,14 +12,19 @@ caller that already holds some uses `try_acquire()` and consumes what it holds w
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+
+from safepoint.local.durable_write import aligned_buffer
 
 
 class BufferPool:
-    def __init__(self, count: int, size: int):
+    def __init__(self, count: int, size: int, *, aligned: bool = False):
         if count < 1 or size < 1:
             raise ValueError("a buffer pool needs count >= 1 and size >= 1")
         self.count = count
         self.size = size
+        # Page-aligned buffers (anonymous mmaps) can be written with O_DIRECT (safepoint.local.durable_write).
+        self._new: Callable[[int], bytearray] = aligned_buffer if aligned else bytearray  # type: ignore[assignment]
         self._free: list[bytearray] = []
         self._allocated = 0
         self._in_use = 0
@@ -35,12 +40,12 @@ class BufferPool:
             if len(self._free) + self._in_use >= self.count and self._free:
                 self._free.pop()
                 self._allocated -= 1
-            buf = bytearray(size)
+            buf = self._new(size)
             self._allocated += 1
         elif self._free:
             buf = self._free.pop()
         elif self._allocated < self.count:
-            buf = bytearray(self.size)
+            buf = self._new(self.size)
             self._allocated += 1
         else:
             return None

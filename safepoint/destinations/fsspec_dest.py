@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import fsspec
 
-from safepoint.core.errors import FormatError
+from safepoint.core.errors import DestinationError, FormatError
 from safepoint.core.format import MARKER_NAME, FileEntry, check_run
 from safepoint.core.hashing import CHUNK, hash_stream, new_hasher, read_chunks
 from safepoint.core.naming import file_url, join, snapshot_key
@@ -44,6 +45,30 @@ class FsspecDestination(Destination):
     def digest(self, run: str, step: int, relpath: str) -> str:
         with self.fs.open(self._path(run, step, relpath), "rb") as f:
             return hash_stream(read_chunks(f, CHUNK))[1]
+
+    def fetch(self, run: str, step: int, relpath: str, target: Path,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+        h = new_hasher(0)
+        try:
+            src = self.fs.open(self._path(run, step, relpath), "rb")
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any store failure; the local disk is below
+            raise DestinationError(redact(f"open {self.url}/{run}/{step}/{relpath}: {e}") or "open failed") from e
+        with src, open(target, "wb") as out:
+            while True:
+                try:
+                    chunk = src.read(CHUNK)
+                except Exception as e:  # noqa: BLE001
+                    raise DestinationError(redact(f"read {self.url}/{run}/{step}/{relpath}: {e}") or "read failed") \
+                        from e
+                if not chunk:
+                    break
+                out.write(chunk)
+                h.update(chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+        return h.hexdigest()
 
     def read_control(self, run: str, step: int, name: str) -> bytes | None:
         try:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
+from safepoint.core.errors import DestinationError
 from safepoint.core.format import TMP_PREFIX, FileEntry, check_run, check_step
 from safepoint.core.hashing import CHUNK, hash_path, new_hasher
 from safepoint.destinations.fsspec_dest import FsspecDestination
 from safepoint.local.atomic import fsync_dir, write_exclusive, write_replace
+from safepoint.local.durable_write import FileWriter, aligned_buffer
 from safepoint.local.safe_delete import delete_under
 
 
@@ -30,6 +33,10 @@ class LocalDestination(FsspecDestination):
 
     def digest(self, run: str, step: int, relpath: str) -> str:
         return hash_path(self._local(run, step, relpath))[1]
+
+    def fetch(self, run: str, step: int, relpath: str, target: Path,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+        return copy_and_hash(self._local(run, step, relpath), target, on_bytes)
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         dst = self._local(run, step, entry.path)
@@ -80,3 +87,36 @@ class LocalDestination(FsspecDestination):
 
     def delete_control(self, run: str, step: int, name: str) -> None:
         self._unlink(run, step, [name])
+
+def copy_and_hash(source: Path, target: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """Copy a local file, hashing each byte once as it goes, and fsync it; returns the BLAKE3 of what was read.
+
+    Written through safepoint.local.durable_write (direct I/O from a page-aligned buffer where the disk
+    allows). A read failure other than a missing file is the source's (DestinationError); a write
+    failure is the target disk's (OSError), so a caller can tell a bad source from a full disk.
+    """
+    h = new_hasher(0)
+    buf = aligned_buffer(CHUNK)
+    view = memoryview(buf)
+    done = 0
+    try:
+        src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise DestinationError(f"{source}: {e.strerror}") from e
+    with src, FileWriter(target) as out:
+        while True:
+            try:
+                n = src.readinto(view)
+            except OSError as e:
+                raise DestinationError(f"{source}: {e.strerror}") from e
+            if not n:
+                break
+            h.update(view[:n])
+            out.write_at(done, view[:n])
+            done += n
+            if on_bytes is not None:
+                on_bytes(n)
+        out.sync()
+    return h.hexdigest()

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
@@ -49,6 +50,7 @@ from safepoint.destinations import retry
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.fsspec_dest import FsspecDestination
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
+from safepoint.local.durable_write import FileWriter
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,7 @@ class S3Destination(FsspecDestination):
         self._lock = threading.Lock()
         self._client_obj: Any = None
         self._executor: ThreadPoolExecutor | None = None
+        self._fetch_pool: BufferPool | None = None
 
     # -- plumbing ----------------------------------------------------------------------------------
     @cached_property
@@ -192,6 +195,8 @@ class S3Destination(FsspecDestination):
         if client is not None and hasattr(client, "close"):
             client.close()
         self.pool.drain()
+        if self._fetch_pool is not None:
+            self._fetch_pool.drain()
 
     def _key(self, run: str, step: int, relpath: str = "") -> str:
         """Object key of a file of a snapshot (its folder, without a trailing '/', for relpath="")."""
@@ -379,7 +384,36 @@ class S3Destination(FsspecDestination):
 
     def digest(self, run: str, step: int, relpath: str) -> str:
         """Read the object back (parallel ranged GETs of one version) and BLAKE3 it in order."""
-        key = self._key(run, step, relpath)
+        return self._read_back(self._key(run, step, relpath), None, self.pool)
+
+    def fetch(self, run: str, step: int, relpath: str, target: Path,
+              on_bytes: Callable[[int], None] | None = None) -> str:
+        """The read-back of `digest`, each part also written to `target` at its offset (direct I/O where
+        the disk allows: the parts come from a page-aligned pool) and fsynced before returning."""
+        with FileWriter(target) as out:
+            def sink(offset: int, view: memoryview) -> None:
+                out.write_at(offset, view)  # OSError (a full disk) is the caller's: not a network fault
+                if on_bytes is not None:
+                    on_bytes(len(view))
+
+            digest = self._read_back(self._key(run, step, relpath), sink, self._read_pool)
+            out.sync()
+        return digest
+
+    @property
+    def _read_pool(self) -> BufferPool:
+        """Page-aligned part buffers for restores, made on first use (a destination restores or replicates)."""
+        with self._lock:
+            if self._fetch_pool is None:
+                self._fetch_pool = BufferPool(self.tuning.max_parts_in_flight, self.tuning.part_size, aligned=True)
+            return self._fetch_pool
+
+    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None, pool: BufferPool) -> str:
+        """Parallel ranged GETs of one version into pooled buffers, BLAKE3 in order.
+
+        `sink(offset, bytes)` runs in the thread that received the part, before it is hashed: the
+        parts of a file are written (at their offsets) in parallel, while the caller hashes in order.
+        """
         head = self._head(key)
         if head is None:
             raise FileNotFoundError(self._where(key))
@@ -387,41 +421,41 @@ class S3Destination(FsspecDestination):
         hasher = new_hasher(0)
         if size == 0:
             return hasher.hexdigest()
-        ranges = [(off, min(self.pool.size, size - off)) for off in range(0, size, self.pool.size)]
+        ranges = [(off, min(pool.size, size - off)) for off in range(0, size, pool.size)]
         window = max(1, self.tuning.read_window)
         executor = self._pool_executor()
-        pending: deque[tuple[Future, bytearray]] = deque()
+        pending: deque[tuple[Future, bytearray, int]] = deque()
 
         def consume() -> None:
-            fut, buf = pending.popleft()
+            fut, buf, offset = pending.popleft()
             try:
-                n = fut.result()
-                hasher.update(memoryview(buf)[:n])
+                hasher.update(memoryview(buf)[:fut.result()])
             finally:
-                self.pool.release(buf)
+                pool.release(buf)
 
         try:
             for offset, length in ranges:
                 while True:  # never block on the pool while holding buffers (see BufferPool)
-                    buf = self.pool.try_acquire() if pending else self.pool.acquire()
+                    buf = pool.try_acquire() if pending else pool.acquire()
                     if buf is not None:
                         break
                     consume()
-                pending.append((executor.submit(self._get_range, key, etag, offset, length, buf), buf))
+                pending.append((executor.submit(self._get_range, key, etag, offset, length, buf, sink), buf, offset))
                 if len(pending) >= window:
                     consume()
             while pending:
                 consume()
         finally:
-            for fut, buf in pending:  # after a failure: wait for the rest, give their buffers back
+            for fut, buf, _offset in pending:  # after a failure: wait for the rest, give their buffers back
                 fut.cancel()
                 if not fut.cancelled():
                     fut.exception()
-                self.pool.release(buf)
+                pool.release(buf)
         return hasher.hexdigest()
 
-    def _get_range(self, key: str, etag: str | None, offset: int, length: int, buf: bytearray) -> int:
-        """GET bytes [offset, offset+length) into buf; a short or cut body is retried."""
+    def _get_range(self, key: str, etag: str | None, offset: int, length: int, buf: bytearray,
+                   sink: Callable[[int, memoryview], None] | None = None) -> int:
+        """GET bytes [offset, offset+length) into buf, then hand them to `sink`; a short or cut body is retried."""
         what = f"GET {self._where(key)} bytes {offset}-{offset + length - 1}"
         view = memoryview(buf)[:length]
 
@@ -447,11 +481,14 @@ class S3Destination(FsspecDestination):
             return got
 
         try:
-            return retry.call(fetch, self.tuning.retry, what)
+            got = retry.call(fetch, self.tuning.retry, what)
         except _client_error() as e:
             if _is_not_found(e):
                 raise FileNotFoundError(self._where(key)) from None
             raise self._fail(e, what) from e
+        if sink is not None:
+            sink(offset, view[:got])  # a local disk's OSError passes through: it is not the store's
+        return got
 
     def read_control(self, run: str, step: int, name: str) -> bytes | None:
         key = self._key(run, step, name)

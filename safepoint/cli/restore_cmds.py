@@ -1,0 +1,65 @@
+"""`safepoint restore`: the verified way back to training (safepoint.restore). Registered by safepoint.cli."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from safepoint.cli.main import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from safepoint.core.config import load_config
+    from safepoint.ops import progress
+    from safepoint.ops.restore import NothingToRestore, RestoreError, restore
+
+    cat = _catalog(args)
+    total = None
+    if args.step is None:
+        chosen = cat.resume_point(args.run, min_replicas=args.min_replicas).chosen
+        total = chosen.total_bytes if chosen is not None else None
+    else:
+        row = cat.get(args.run, args.step)
+        total = row.total_bytes if row is not None else None
+    say = (lambda msg: None) if args.json else (lambda msg: err.print(msg))
+    try:
+        with progress.bar(f"restore {args.run}", total, err, enabled=err.is_terminal and not args.json) as advance:
+            result = restore(args.run, args.into, args.step, sources=args.sources or (),
+                             min_replicas=args.min_replicas, force=args.force, catalog=cat, config=load_config(),
+                             files_at_once=args.files, on_bytes=advance, say=say)
+    except RestoreError as e:
+        if args.json:
+            print(json.dumps({"run": args.run, "step": args.step, "restored": False, "error": str(e)}))
+        err.print(f"safepoint: {'error: ' if e.exit_code == EXIT_ERROR else ''}{e}")
+        return EXIT_BAD if isinstance(e, NothingToRestore) else EXIT_ERROR
+    if args.json:
+        print(json.dumps({"restored": True, **result.to_dict()}))
+        return EXIT_OK
+    for f in result.fell_back_from:
+        out.print(f"step {f['step']}: {f['reason']}, fell back")
+    speed = result.bytes_fetched / 2**20 / result.seconds if result.seconds else 0.0
+    out.print(f"restored {result.run} step {result.step} into {result.path}: verified, "
+              f"{_size(result.bytes_fetched)} fetched ({speed:,.0f} MiB/s), {_size(result.bytes_reused)} reused, "
+              f"in {result.seconds:.2f}s")
+    for s in result.sources:
+        out.print(f"  from {s}")
+    out.print(f"  resume from {result.path}; commit later checkpoints with --parent {result.run}:{result.step}")
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("restore", help="restore the resume point (or --step) into DIR, every byte verified")
+    s.add_argument("--run", required=True)
+    s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
+    s.add_argument("--step", type=int, help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
+    s.add_argument("--from", dest="sources", action="append", metavar="URL",
+                   help="read only from this replica or destination (repeatable, in order of preference)")
+    s.add_argument("--min-replicas", type=int, default=1, help="verified replicas the resume point needs")
+    s.add_argument("--force", action="store_true", help="replace whatever DIR holds")
+    s.add_argument("--files", type=int, default=4, help="files fetched at once (default 4)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_restore)

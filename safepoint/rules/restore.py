@@ -1,0 +1,163 @@
+"""The decisions of a restore, as pure functions: no I/O here (safepoint.restore does the I/O).
+
+- `source_order`: where to read from, best first (the local copy, then durable replicas in the
+  configured order of preference; `--from` forces its own list);
+- `target_action`: what to do with the folder being restored into (fresh, finish an interrupted
+  restore, already there, or refuse something else);
+- `reuse_plan`: which files already in the folder are worth re-hashing, and which to fetch;
+- `file_verdict`: what the attempts at one file, source by source, add up to;
+- `checkpoint_verdict`: whether the checkpoint came back whole, has no whole copy (fall back to an
+  older one), or could not be read (an infrastructure failure: never a reason to fall back);
+- `replica_findings`: which replicas turned out bad, with the reason, for the catalog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place the checkpoint's files can be read from."""
+
+    base: str                 # destination base URL, or the local folder (for the local copy)
+    url: str                  # the snapshot: <base>/<run>/<step>, or the local folder
+    local: bool = False       # the node's own committed folder (not a replica)
+    cataloged: bool = True    # a replica the catalog knows (only those are marked corrupt)
+
+
+def _matches(prefix: str, source: Source) -> bool:
+    p = prefix.rstrip("/")
+    if p.startswith("file://") and source.local:
+        p = p[len("file://"):]
+    return any(x == p or x.startswith(p + "/") for x in (source.url.rstrip("/"), source.base.rstrip("/")))
+
+
+def source_order(local_path: str | None, replicas: Sequence[tuple[str, str]], *, run: str, step: int,
+                 prefer: Sequence[str] = (), forced: Sequence[str] = ()) -> list[Source]:
+    """Sources, best first.
+
+    `replicas` are (snapshot url, destination base) of the catalog's verified replicas. Without
+    `forced`: the local copy (when the catalog names one), then the replicas ordered by the first
+    `prefer` prefix they match (unmatched ones last, in catalog order). With `forced`: exactly the
+    sources matching each forced URL, in that order; a forced URL the catalog does not know is read
+    as a destination base (or a snapshot URL ending in /<run>/<step>).
+    """
+    known = ([Source(local_path, local_path, local=True)] if local_path else []) + \
+        [Source(base.rstrip("/"), url.rstrip("/")) for url, base in replicas]
+    if forced:
+        out: list[Source] = []
+        for f in forced:
+            hits = [s for s in known if _matches(f, s)]
+            if not hits:
+                base = f.rstrip("/")
+                tail = f"/{run}/{step}"
+                base = base[: -len(tail)] if base.endswith(tail) else base
+                hits = [Source(base, f"{base}{tail}", cataloged=False)]
+            out.extend(h for h in hits if h not in out)
+        return out
+
+    def rank(s: Source) -> int:
+        if s.local:
+            return -1
+        return next((i for i, p in enumerate(prefer) if _matches(p, s)), len(prefer))
+
+    return sorted(known, key=rank)  # stable: catalog order within a rank
+
+
+class TargetAction(str, Enum):
+    FRESH = "fresh"          # empty or absent: restore into it
+    RESUME = "resume"        # an interrupted restore of ours: finish it, reusing what verifies
+    PRESENT = "present"      # already a committed snapshot of this checkpoint: check it, refetch what fails
+    CLEAR = "clear"          # holds something else, and --force: remove it, then restore
+    REFUSE = "refuse"        # holds something else
+
+
+def target_action(names: Iterable[str], *, committed_as: tuple[str, int] | None, restore_state: bool,
+                  want: tuple[str, int], force: bool) -> TargetAction:
+    """What to do with the folder to restore into, from what is in it.
+
+    `names`: its entries (top level); `committed_as`: (run, step) of its valid COMMITTED marker, if
+    any; `restore_state`: it holds the state file an interrupted restore leaves behind.
+    """
+    if not list(names):
+        return TargetAction.FRESH
+    if committed_as == want:
+        return TargetAction.PRESENT
+    if committed_as is None and restore_state:
+        return TargetAction.RESUME
+    return TargetAction.CLEAR if force else TargetAction.REFUSE
+
+
+def reuse_plan(expected: Mapping[str, int], on_disk: Mapping[str, int | None]) -> tuple[list[str], list[str]]:
+    """(files to re-hash in place, files to fetch): only a file of the right size can be reused."""
+    rehash = [p for p, size in expected.items() if on_disk.get(p) == size]
+    fetch = [p for p, size in expected.items() if on_disk.get(p) != size]
+    return rehash, fetch
+
+
+class Outcome(str, Enum):
+    OK = "ok"                # every byte arrived and matched the manifest
+    BAD = "bad"              # the source's copy is wrong (hash or size mismatch)
+    MISSING = "missing"      # the source does not have it
+    ERROR = "error"          # could not be read (network, store): says nothing about the bytes
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Attempt:
+    source: Source
+    outcome: Outcome
+    reason: str = ""
+
+
+class Verdict(str, Enum):
+    WHOLE = "whole"          # every file verified
+    NO_COPY = "no_copy"      # some file has no good copy anywhere: fall back (or exit 1 with --step)
+    UNREADABLE = "unreadable"  # some file could not be read: infrastructure, exit 2, never a fallback
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def file_verdict(attempts: Sequence[Attempt], sources: int) -> Verdict | None:
+    """None while another source is left to try; else what the attempts at one file add up to."""
+    if any(a.outcome is Outcome.OK for a in attempts):
+        return Verdict.WHOLE
+    if len(attempts) < sources:
+        return None
+    if any(a.outcome is Outcome.ERROR for a in attempts):
+        return Verdict.UNREADABLE
+    return Verdict.NO_COPY
+
+
+def checkpoint_verdict(files: Iterable[Verdict]) -> Verdict:
+    """No whole copy wins over unreadable: one file proven bad everywhere is enough to fall back."""
+    vs = set(files)
+    if Verdict.NO_COPY in vs:
+        return Verdict.NO_COPY
+    if Verdict.UNREADABLE in vs:
+        return Verdict.UNREADABLE
+    return Verdict.WHOLE
+
+
+def replica_findings(attempts: Mapping[str, Sequence[Attempt]]) -> dict[Source, tuple[str, str]]:
+    """Each cataloged replica found bad: (replica state, reason). Corrupt wins over missing.
+
+    `attempts` maps a file path to the attempts made at it. Errors (network) are not findings; the
+    local copy is not a replica.
+    """
+    out: dict[Source, tuple[str, str]] = {}
+    for path, tries in sorted(attempts.items()):
+        for a in tries:
+            if a.source.local or not a.source.cataloged or a.outcome not in (Outcome.BAD, Outcome.MISSING):
+                continue
+            state = "corrupt" if a.outcome is Outcome.BAD else "missing"
+            prev = out.get(a.source)
+            if prev is None or (prev[0] == "missing" and state == "corrupt"):
+                out[a.source] = (state, f"{path}: {a.reason}" if a.reason else path)
+    return out
