@@ -27,11 +27,12 @@ LAYERS = [
     ("local", ["safepoint.local"]),
     ("destinations", ["safepoint.destinations"]),
     ("validation", ["safepoint.validation"]),
-    ("snapshotter", ["safepoint.snapshotter", "safepoint.integrations"]),
+    ("snapshotter", ["safepoint.snapshotter"]),
     ("catalog", ["safepoint.catalog", "safepoint.migrations"]),
     ("ops", ["safepoint.ops"]),
     ("events", ["safepoint.events"]),
     ("edge", ["safepoint.flows", "safepoint.tasks"]),
+    ("integrations", ["safepoint.integrations"]),
     ("cli", ["safepoint.cli"]),
 ]
 #: the only packages allowed to import prefect (and prefect_dask)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from safepoint.core.errors import CommitError
 from safepoint.core.format import Manifest
-from safepoint.events.markers import Marker, PrefectGateway
+from safepoint.events.markers import Marker
 from safepoint.local.commit import commit
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.leases import this_host
@@ -53,6 +53,9 @@ def emit_committed(folder: str | os.PathLike, to: Sequence[str], *, node: str | 
                    timeout_s: float = 10.0) -> str | None:
     """Send the committed event of a sealed folder; its event id, or None when it could not be sent."""
     try:
+        # Prefect is imported only by a job that asks for events: training scripts stay light without it.
+        from safepoint.flows.gateway import PrefectGateway
+
         marker = Marker.of(LocalSnapshot.open(folder), list(to), node or this_host())
         PrefectGateway(timeout_s=timeout_s).emit(marker)
     except Exception as e:  # noqa: BLE001 - never stop training for an event; the marker stays on disk
