@@ -13,7 +13,7 @@ data (JSON: a compromised child cannot send back anything that runs), or the lim
 - wall clock: `wall_seconds` + `wall_seconds_per_gib` per GiB; past it the child is killed.
 
 Children are forked (`sandbox_start_method = "auto"`): straight from the caller when it has a single
-thread (a CLI run: nothing else can hold a lock at fork time, and the fork costs milliseconds where a
+Python thread (a CLI run: no other thread can hold a lock at fork time, and the fork costs milliseconds where a
 fresh interpreter would import torch again), else from a fork server that has imported the validation
 code (torch included) once and holds none of the caller's state (a Prefect worker, an ingest loop
 with threads). "forkserver", "fork" and "spawn" can be chosen explicitly.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import resource
 import signal
 import threading
@@ -164,11 +163,9 @@ _lock = threading.Lock()
 
 
 def _single_threaded() -> bool:
-    """Only this thread exists (native threads included), so no lock can be held by another at fork."""
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return False
+    """No other Python thread exists, so no Python-level lock (logging, imports, ...) can be held at fork.
+    torch starts a native thread at import; torch handles fork itself (DataLoader workers rely on it)."""
+    return threading.active_count() == 1
 
 
 def start_method(limits: SandboxLimits) -> str:
