@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from safepoint.core.errors import UsageError
+from safepoint.core.errors import SafepointError, UsageError
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -158,6 +160,10 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple, memory: int, cpu: int
 
 # ------------------------------------------------------------------------------------------ the parent
 
+class SandboxUnavailable(SafepointError):
+    """The sandbox could not run at all: an infrastructure failure (exit 2), not a verdict."""
+
+
 _contexts: dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -168,10 +174,16 @@ def _single_threaded() -> bool:
     return threading.active_count() == 1
 
 
+def _main_importable() -> bool:
+    """A fork server's children re-import the caller's main module by path: `python -` (stdin) has none."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is None or os.path.isfile(path)
+
+
 def start_method(limits: SandboxLimits) -> str:
     if limits.start_method != "auto":
         return limits.start_method
-    return "fork" if _single_threaded() else "forkserver"
+    return "fork" if _single_threaded() or not _main_importable() else "forkserver"
 
 
 def _context(limits: SandboxLimits) -> Any:
@@ -211,6 +223,7 @@ def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, i
     out = Outcome()
     msg: dict[str, Any] | None = None
     rss0 = 0
+    started = False
     killed: str | None = None
     try:
         while True:
@@ -224,7 +237,7 @@ def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, i
                     out.last_note = str(doc["note"])
                     continue
                 if isinstance(doc, dict) and set(doc) == {"start"}:
-                    rss0 = int(doc["start"] or 0)
+                    rss0, started = int(doc["start"] or 0), True
                     continue
                 msg = doc if isinstance(doc, dict) else {"error": "the sandbox sent a malformed result"}
                 break
@@ -247,6 +260,11 @@ def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, i
             p.kill()
             p.join()
         recv.close()
+    if not started and not killed and msg is None:
+        # The child never reached the checkpoint: a failure of this machine (no fork, the main module
+        # not importable by a fork server, ...), never a verdict on the bytes.
+        raise SandboxUnavailable(f"the validation sandbox could not start ({_exit_text(p.exitcode)}); "
+                                 "[validation] sandbox_start_method = \"fork\" or \"spawn\" may help")
     if killed:
         out.limit = killed
     elif msg is None:
