@@ -12,17 +12,20 @@ data (JSON: a compromised child cannot send back anything that runs), or the lim
 - CPU: `RLIMIT_CPU` = `cpu_seconds` + `cpu_seconds_per_gib` per GiB of input (SIGXCPU, then SIGKILL);
 - wall clock: `wall_seconds` + `wall_seconds_per_gib` per GiB; past it the child is killed.
 
-Children are forked (`sandbox_start_method = "auto"`): straight from the caller when it has a single
-Python thread (a CLI run: no other thread can hold a lock at fork time, and the fork costs milliseconds where a
-fresh interpreter would import torch again), else from a fork server that has imported the validation
-code (torch included) once and holds none of the caller's state (a Prefect worker, an ingest loop
-with threads). "forkserver", "fork" and "spawn" can be chosen explicitly.
+Children are forked straight from the caller (`sandbox_start_method = "auto"`): the fork costs
+milliseconds where a fresh interpreter, or a fork server per process, would import torch again
+(seconds, in every CLI run and fault-test process). CPython re-creates its import and logging locks
+in a forked child, and the child turns logging off, so a lock another thread of the caller held
+(Prefect's log and event workers) is never waited for; the wall clock stays the backstop. A caller
+whose main module a fork server cannot re-import (`python -`) is never given one. "forkserver",
+"fork" and "spawn" can be chosen explicitly.
 `note(text)` lets the child say what it is working on, so a limit names the file it stopped in.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import resource
@@ -134,6 +137,7 @@ def _vm(field: str) -> int:
 def _child(conn: Any, fn: Callable[..., Any], args: tuple, memory: int, cpu: int) -> None:
     global _note_conn
     _note_conn = conn
+    logging.disable(logging.CRITICAL)  # no handler (and no lock a parent thread held at fork) is ever used here
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
     base = _vm("VmSize")
@@ -168,12 +172,6 @@ _contexts: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
-def _single_threaded() -> bool:
-    """No other Python thread exists, so no Python-level lock (logging, imports, ...) can be held at fork.
-    torch starts a native thread at import; torch handles fork itself (DataLoader workers rely on it)."""
-    return threading.active_count() == 1
-
-
 def _main_importable() -> bool:
     """A fork server's children re-import the caller's main module by path: `python -` (stdin) has none."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
@@ -183,7 +181,7 @@ def _main_importable() -> bool:
 def start_method(limits: SandboxLimits) -> str:
     if limits.start_method != "auto":
         return limits.start_method
-    return "fork" if _single_threaded() or not _main_importable() else "forkserver"
+    return "fork" if sys.platform == "linux" or not _main_importable() else "forkserver"
 
 
 def _context(limits: SandboxLimits) -> Any:
