@@ -113,3 +113,33 @@ def test_ingest_exclusivity_is_per_checkpoint_part_and_destination(tmp_path, cat
 
     run_threads(3, body2)
     assert different.peak > 1  # other destinations proceed at the same time
+
+
+@pytest.mark.parametrize(("holder", "expected"), [
+    ("node-a:4242:abcd1234", True),          # this host, process gone: take over at once
+    ("node-a:1:abcd1234", False),            # this host, process alive
+    ("node-b:4242:abcd1234", False),         # another host: only its TTL can tell
+    ("node-a:notapid:abcd1234", False),
+    ("someone", False),
+    (None, False),
+    ("ip-10-0-0-1:ec2:4242:ab", False),      # a host name with colons: never mistaken for ours
+])
+def test_holder_is_dead(holder, expected):
+    from safepoint.ops.leases import holder_is_dead
+
+    assert holder_is_dead(holder, "node-a", alive=lambda pid: pid == 1) is expected
+
+
+def test_a_killed_holders_lease_is_taken_over_without_waiting_for_its_ttl(catalog):
+    import socket
+    import subprocess
+    import sys
+
+    from safepoint.ops.leases import held
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that existed and is gone
+    catalog.acquire_lease("ingest:r/1/all@x", f"{socket.gethostname()}:{p.pid}:dead0000", 600)
+    t0 = time.monotonic()
+    with held(catalog, "ingest:r/1/all@x", ttl_s=30, wait_s=20):
+        assert time.monotonic() - t0 < 5

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from safepoint.catalog.store import Catalog
@@ -54,9 +54,33 @@ class _Renewer(threading.Thread):
                 continue
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_is_dead(holder: str | None, host: str, alive: Callable[[int], bool] = _pid_alive) -> bool:
+    """A lease of a process of this host that no longer exists (killed -9): it will never be renewed,
+    so waiting out its TTL would only delay the restart. Holders elsewhere are never judged."""
+    parts = (holder or "").split(":")  # default_holder(): host:pid:random
+    if len(parts) < 3 or not parts[-2].isdigit():
+        return False
+    return ":".join(parts[:-2]) == host and not alive(int(parts[-2]))
+
+
 def _try(catalog: Catalog, names: list[str], holder: str, ttl_s: float) -> str | None:
     for n in names:
         if catalog.acquire_lease(n, holder, ttl_s):
+            return n
+    for n in names:  # take over what a dead process of this host held (released by its exact holder only)
+        dead = catalog.lease_holder(n)
+        if holder_is_dead(dead, socket.gethostname()) and catalog.release_lease(n, dead) and \
+                catalog.acquire_lease(n, holder, ttl_s):
             return n
     return None
 
