@@ -16,11 +16,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
     from safepoint.ops.restore import NothingToRestore, RestoreError, restore
+    from safepoint.ops.resume import find_resume_point
 
     cat = _catalog(args)
     total = None
     if args.step is None:
-        chosen = cat.resume_point(args.run, min_replicas=args.min_replicas).chosen
+        chosen = find_resume_point(cat, args.run, min_replicas=args.min_replicas).chosen
         total = chosen.total_bytes if chosen is not None else None
     else:
         row = cat.get(args.run, args.step)

@@ -53,6 +53,7 @@ from safepoint.destinations.base import Destination
 from safepoint.destinations.local import copy_and_hash
 from safepoint.local.atomic import fsync_dir, fsync_file, write_replace
 from safepoint.local.snapshot import LocalSnapshot, read_small, resolve_inside
+from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.steps import settle_copies
 from safepoint.rules.restore import (
@@ -264,7 +265,7 @@ def choose(catalog: Catalog, run: str, step: int | None, *, min_replicas: int = 
             raise NothingToRestore(f"{run}/{step} is {row.state}" + (f": {row.error}" if row.error else ""))
         reps = tuple((r.url, r.destination) for r in catalog.replicas(row.id) if r.state is RS.VERIFIED)
         return _Choice(row.id, row.step, row.manifest_blake3, row.local_path, reps, row.total_bytes)
-    decision = catalog.resume_point(run, min_replicas=min_replicas, max_step=max_step)
+    decision = find_resume_point(catalog, run, min_replicas=min_replicas, max_step=max_step)
     c = decision.chosen
     if c is None:
         why = "; ".join(f"step {v.step}: {reason}" for v, reason in decision.passed_over[:5])
