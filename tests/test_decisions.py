@@ -39,7 +39,6 @@ CASES = [
      [(1, V, (OK,)), (2, C.PRUNED, (R.DELETED,)), (3, C.INVALID, (OK,)), (4, C.INCOMPLETE, ())], {}, 1, [4, 3, 2]),
     ("min replicas 2", [(1, V, (OK, OK)), (2, V, (OK, BAD)), (3, V, (OK,))], {"min_replicas": 2}, 1, [3, 2]),
     ("one good replica is enough by default", [(1, V, (OK,)), (2, V, (BAD, OK))], {}, 2, []),
-    ("min replicas 0: a local-only verified", [(1, V, (OK,)), (2, V, ())], {"min_replicas": 0}, 2, []),
     ("max step out of scope, not listed", [(1, V, (OK,)), (2, V, (OK,)), (3, C.CORRUPT, ())],
      {"max_step": 1}, 1, []),
     ("max step with a loser in scope", [(1, V, (OK,)), (2, C.CORRUPT, ()), (3, V, (OK,))], {"max_step": 2}, 1, [2]),
@@ -84,7 +83,7 @@ _history = st.lists(st.tuples(_state, st.lists(_rep, max_size=3), st.booleans())
 
 
 @settings(max_examples=300, deadline=None)
-@given(_history, st.integers(0, 3), st.one_of(st.none(), st.integers(0, 30)), st.one_of(st.none(), st.booleans()))
+@given(_history, st.integers(1, 3), st.one_of(st.none(), st.integers(0, 30)), st.one_of(st.none(), st.booleans()))
 def test_resume_point_properties(rows, k, max_step, tagged_only):
     cks = [view(i * 10, s, tuple(reps), tags=("t",) if tagged else ()) for i, (s, reps, tagged) in enumerate(rows)]
     tag = "t" if tagged_only else None
@@ -148,7 +147,7 @@ def test_catalog_resume_point_equals_pure_function(catalog):
         _fake_checkpoint(catalog, "pg", step, C.CORRUPT, (), T0 + timedelta(minutes=step))
     _fake_checkpoint(catalog, "other", 1000, C.VERIFIED, (R.VERIFIED,), T0)
     everything = catalog.list_checkpoints("pg")
-    rules = [{}, {"min_replicas": 2}, {"min_replicas": 0}, {"max_step": 205}, {"max_step": 3},
+    rules = [{}, {"min_replicas": 2}, {"max_step": 205}, {"max_step": 3},
              {"before": T0 + timedelta(minutes=123)}, {"tag": "keep"}, {"tag": "nope"},
              {"max_step": 300, "tag": "keep", "min_replicas": 1}]
     for r in rules:
@@ -243,3 +242,10 @@ def test_resume_point_paged_reads_only_the_pages_it_needs(name, rows, rules, pag
 def test_resume_point_paged_refuses_an_empty_page():
     with pytest.raises(ValueError):
         resume_point_paged(lambda below_step, limit: [], page=0)
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_resume_point_needs_a_verified_copy(k):
+    """min_replicas 0 would pick a checkpoint with no verified copy at all (issue 14): refused."""
+    with pytest.raises(ValueError, match="min_replicas"):
+        resume_point(hist((1, V, (OK,)), (2, V, ())), min_replicas=k)
