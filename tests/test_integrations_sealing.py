@@ -9,7 +9,6 @@ import pytest
 
 from safepoint.core.errors import CommitError
 from safepoint.events.markers import EVENT, Marker
-from safepoint.integrations import sealing
 from safepoint.integrations.sealing import SealOptions, seal, step_of_folder
 from safepoint.local.snapshot import LocalSnapshot
 
@@ -30,7 +29,7 @@ class FakeGateway:
 @pytest.fixture
 def gateway(monkeypatch):
     FakeGateway.sent, FakeGateway.fail = [], False
-    monkeypatch.setattr(sealing, "PrefectGateway", FakeGateway)
+    monkeypatch.setattr("safepoint.flows.gateway.PrefectGateway", FakeGateway)
     return FakeGateway
 
 

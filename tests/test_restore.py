@@ -22,12 +22,12 @@ import pytest
 import torch
 from torch import nn
 
+from safepoint import commit
 from safepoint.cli import main as cli
 from safepoint.core.config import Config, load_config
 from safepoint.core.format import MARKER_NAME, TMP_PREFIX
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
-from safepoint.local import commit
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.ingest import ingest
 from safepoint.ops.restore import NothingToRestore, TargetNotEmpty, restore
