@@ -563,11 +563,13 @@ def read_files(folder: str, files: list[str], settings: ValidationSettings) -> d
     return {"files": r.files, "stats": [s.to_dict() for s in r.stats],
             "findings": [f.to_dict() for f in r.findings], "warnings": [f.to_dict() for f in r.warnings],
             "values": [[k, "tuple" if isinstance(x, tuple) else "", list(x) if isinstance(x, tuple) else x]
-                       for k, x in v.values.items()]}
+                       for k, x in v.values.items()],
+            "not_loaded": r.not_loaded, "layout": v.layout, "checks": {k: c for k, c in r.checks.items()},
+            "recorded": [[x.file, x.key, x.value] for x in v.recorded]}
 
 
 def _finding(d: dict[str, Any]) -> Finding:
-    return Finding(str(d["file"]), d.get("tensor"), Problem(d["problem"]), str(d["message"]))
+    return Finding(str(d["file"]), d.get("tensor"), Problem(d["problem"]), str(d["message"]), d.get("role"))
 
 
 def _input_bytes(folder: Path, files: list[str]) -> tuple[int, int]:
@@ -610,3 +612,7 @@ def _run_in_sandbox(v: _Validator, files: list[str]) -> None:
     v.report.findings.extend(_finding(f) for f in doc["findings"])
     v.report.warnings.extend(_finding(f) for f in doc["warnings"])
     v.values.update({k: tuple(x) if kind == "tuple" else x for k, kind, x in doc["values"]})
+    v.report.not_loaded.update(doc.get("not_loaded", {}))
+    v.report.checks.update(doc.get("checks", {}))
+    v.layout = doc.get("layout", v.layout)
+    v.recorded.extend(RecordedStep(f, k, x) for f, k, x in doc.get("recorded", []))
