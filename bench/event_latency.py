@@ -162,7 +162,7 @@ def main() -> None:
     cold = []
     for i in range(3):
         folder = snapshot(work / "cold" / f"s{i}", 2000 + i)
-        code = ("from catalog.store import open_catalog; from safepoint.pipeline import ingest; "
+        code = ("from safepoint.catalog.store import open_catalog; from safepoint.ops.ingest import ingest; "
                 f"assert ingest({str(folder)!r}, [{(work / 'durable-cold').as_uri()!r}], "
                 f"open_catalog({'sqlite:///' + str(work / 'cold.db')!r})).state.value == 'verified'")
         t0 = time.perf_counter()

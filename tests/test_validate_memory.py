@@ -21,7 +21,7 @@ MiB = 1 << 20
 CHILD = r"""
 import json, sys
 import torch
-from safepoint.validate import validate_snapshot
+from safepoint.validation.validate import validate_snapshot
 
 def status(key):
     with open("/proc/self/status") as f:
