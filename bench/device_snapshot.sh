@@ -41,7 +41,7 @@ timeout 180 python3 - <<'EOF' 2>&1 | tee "$OUT/check.log"
 import shutil, tempfile, time
 import torch
 from safepoint.snapshotter import Snapshotter, load
-from safepoint.validate import validate_snapshot
+from safepoint.validation.validate import validate_snapshot
 
 dev = "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
