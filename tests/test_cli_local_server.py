@@ -42,7 +42,11 @@ def test_demo_ends_with_table_and_resume_point_and_nothing_after(fresh_env):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.strip()]
     assert any(line.startswith("catalog") for line in lines)
-    assert lines[-1].startswith("resume point: demo-run step 20"), r.stdout
+    # the table and resume point, then the way back (issue 12): restored and loaded, and nothing after
+    back = next(i for i, line in enumerate(lines) if line.startswith("resume point: demo-run step 20"))
+    assert lines[back + 1].startswith("deleted the local copies"), r.stdout
+    assert lines[back + 2].startswith("restored demo-run step 20"), r.stdout
+    assert lines[-1].startswith("loaded it:") and len(lines) == back + 4, r.stdout
     # stderr: at most the one note that the local server was started, nothing from Prefect's teardown
     assert "Traceback" not in r.stderr and "ERROR" not in r.stderr and "Error" not in r.stderr, r.stderr
     assert [line for line in r.stderr.splitlines() if line.strip()] == [

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from safepoint import commit
-from safepoint.cli import main as cli
+from safepoint.cli.main import main as cli
 from safepoint.core.config import Config, load_config
 from safepoint.core.format import MARKER_NAME, TMP_PREFIX
 from safepoint.core.states import CheckpointState as CS
