@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import blake3
 import torch
 
 from safepoint.core.states import CheckpointState
@@ -30,6 +31,7 @@ __all__ = [
     "stat_rows", "tensor_stat",
 ]
 
+DIGEST_HEX = 32  # 128 bits of BLAKE3: collision-safe for comparing two steps, compact at 10^5 tensors
 _NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -39,6 +41,8 @@ class TensorStat:
     """Stats of one tensor. norm and max_abs cover the finite values only (NaN/Inf are counted apart).
 
     `value` holds the value of a one-element tensor (e.g. a step counter), for the step check.
+    `digest` (BLAKE3 over the bytes as they stream, no second pass) lets the consistency rules tell a
+    tensor that did not change between two checkpoints from one that did (safepoint.rules.consistency).
     """
 
     name: str
@@ -51,6 +55,7 @@ class TensorStat:
     nan_count: int
     inf_count: int
     value: float | None = None
+    digest: str | None = None  # BLAKE3 of the tensor's bytes as stored (DIGEST_HEX chars): byte-identity across steps
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -115,8 +120,9 @@ def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = 
     base = dict(name=name, file=file, dtype=_dtype_name(src), shape=shape, numel=numel)
     if not _readable(src):
         return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0)
-    acc, usable, value = _Acc(), True, None
+    acc, usable, value, hasher = _Acc(), True, None, blake3.blake3()
     for piece in src.pieces(max(1, chunk_elems)):
+        hasher.update(_bytes_of(piece))
         if numel == 1 and not piece.is_complex():
             try:
                 value = float(piece[0])
@@ -131,9 +137,15 @@ def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = 
     if not usable:
         if src.dtype.is_floating_point or src.dtype.is_complex:  # could hold NaN/Inf: fail closed
             raise LoadError(Problem.UNLOADABLE, f"{name}: the audit cannot read {base['dtype']} values: refused")
-        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0, value=value)
+        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0, value=value,
+                          digest=hasher.hexdigest(DIGEST_HEX // 2))
     return TensorStat(**base, norm=math.sqrt(acc.sumsq), max_abs=acc.max_abs, nan_count=acc.nans,
-                      inf_count=acc.infs, value=value)
+                      inf_count=acc.infs, value=value, digest=hasher.hexdigest(DIGEST_HEX // 2))
+
+
+def _bytes_of(piece: torch.Tensor) -> memoryview:
+    """The raw bytes of a flat contiguous piece, without a copy (any dtype: viewed as bytes)."""
+    return memoryview(piece.contiguous().view(torch.uint8).numpy())
 
 
 def tensor_stat(name: str, t: torch.Tensor, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems,
