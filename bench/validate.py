@@ -17,8 +17,14 @@ before exec, agrees):
   single-threaded caller; peak RSS is the larger of the caller's and the child's): every
   tensor of model *and* optimizer through the
   audit (NaN/Inf, norm, max |x|), plus the strict dry-run load against the model factory
-  `bench.validate:build_gpt` (keys, shapes, dtypes, optimizer state vs param groups, step). It does
-  not hash: the replicator hashes (BLAKE3) while it uploads and reads back.
+  `bench.validate:build_gpt` (keys, shapes, dtypes, optimizer state vs param groups, step), against
+  a baseline: the stats of the same run one step earlier (saved next to it, validated once, untimed),
+  as ingest does. It records each tensor's digests for the consistency rules (a BLAKE3 of its first
+  64 KiB, and of all of it where the step before has the same head); it does not hash files: the
+  replicator does (BLAKE3) while it uploads and reads back;
+- safepoint (no digests): the same with the digest code replaced by a no-op, for the digests' cost;
+- safepoint (all unchanged): the worst case for the digests, every tensor unchanged since the
+  baseline, so every one is digested whole (the baseline is this checkpoint's own stats).
 
 Page cache: by default both run on a warm cache (the file is read once before each contender).
 `--cold` evicts the file's pages before each contender instead (posix_fadvise DONTNEED: no root
@@ -50,6 +56,8 @@ FACTORY = "bench.validate:build_gpt"
 CFG = {"vocab": 32000, "ctx": 1024, "d_model": 1024, "heads": 16, "ff": 4096, "layers": 23}
 # A smaller checkpoint for a quick run on a busy machine: SAFEPOINT_BENCH_LAYERS=4 (~1.1 GiB).
 CFG["layers"] = int(os.environ.get("SAFEPOINT_BENCH_LAYERS", CFG["layers"]))
+# How the contender "safepoint" is run: digests as shipped, none (their cost), every tensor digested whole.
+DIGEST_MODES = {"on": "safepoint", "off": "safepoint (no digests)", "all": "safepoint (all unchanged)"}
 TRAIN = {"steps": 2, "batch": 2, "seq": 64, "lr": 3e-4, "weight_decay": 0.1, "seed": 0}
 
 
@@ -93,12 +101,25 @@ def checkpoint_dir() -> Path:
     return OUT / f"gpt-{CFG['layers']}L-{CFG['d_model']}d"
 
 
+def previous_dir(folder: Path) -> Path:
+    return folder.with_name(folder.name + "-previous")
+
+
+def _save(model, opt, step: int, folder: Path) -> None:  # noqa: ANN001
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / ".safepoint-tmp-model.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, folder / "model.pt")
+
+
 def ensure_checkpoint() -> tuple[Path, dict]:
     """Build (once) the trained checkpoint; returns (snapshot folder, its description)."""
     folder = checkpoint_dir()
     info_path = folder.with_suffix(".json")
     want = {"cfg": CFG, "train": TRAIN}
-    if info_path.is_file() and (folder / "model.pt").is_file():
+    if info_path.is_file() and (folder / "model.pt").is_file() and (previous_dir(folder) / "model.pt").is_file():
         info = json.loads(info_path.read_text())
         if {k: info.get(k) for k in want} == want and info.get("bytes") == (folder / "model.pt").stat().st_size:
             return folder, info
@@ -108,7 +129,7 @@ def ensure_checkpoint() -> tuple[Path, dict]:
     n_params = 0
     d, ff, L, V = CFG["d_model"], CFG["ff"], CFG["layers"], CFG["vocab"]
     n_params = 2 * V * d + CFG["ctx"] * d + L * (4 * d * d + 4 * d + 2 * d * ff + ff + d + 4 * d) + 2 * d
-    need = n_params * 12 + GiB
+    need = 2 * n_params * 12 + GiB
     OUT.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(OUT).free
     if free < need:
@@ -120,7 +141,10 @@ def ensure_checkpoint() -> tuple[Path, dict]:
     model, opt = build_gpt("cpu")
     gen = torch.Generator().manual_seed(TRAIN["seed"] + 1)
     losses = []
-    for _ in range(TRAIN["steps"]):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(TRAIN["steps"]):
+        if i == TRAIN["steps"] - 1:  # the step before: the baseline the consistency rules compare with
+            _save(model, opt, i, previous_dir(folder))
         idx = torch.randint(0, V, (TRAIN["batch"], TRAIN["seq"] + 1), generator=gen)
         logits = model(idx[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, V), idx[:, 1:].reshape(-1))
@@ -129,10 +153,7 @@ def ensure_checkpoint() -> tuple[Path, dict]:
         opt.step()
         losses.append(float(loss.detach()))
     opt.zero_grad(set_to_none=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / ".safepoint-tmp-model.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": TRAIN["steps"]}, tmp)
-    os.replace(tmp, folder / "model.pt")
+    _save(model, opt, TRAIN["steps"], folder)
     sd = model.state_dict()
     info = {**want, "params": sum(p.numel() for p in model.parameters()), "bytes": (folder / "model.pt").stat().st_size,
             "model_bytes": sum(t.numel() * t.element_size() for t in sd.values()), "losses": losses,
@@ -166,19 +187,55 @@ def child_seeds(path: Path) -> dict:
             "phases": {"import": t1 - t0, "sha256": t2 - t1, "load": t3 - t2, "nan_inf": t4 - t3}}
 
 
-def child_safepoint(folder: Path, step: int) -> dict:
-    t0 = time.perf_counter()
+def baseline_path(folder: Path) -> Path:
+    return previous_dir(folder).with_suffix(".stats.json")
+
+
+def child_baseline(folder: Path) -> dict:
+    """Validate the step before (once) and keep its stats: the baseline of the timed runs."""
     from safepoint.validation.validate import validate_snapshot
 
+    report = validate_snapshot(previous_dir(folder), ["model.pt"], step=TRAIN["steps"] - 1)
+    rows = {s.name: s.to_dict() for s in report.stats}
+    baseline_path(folder).write_text(json.dumps(rows))
+    own = validate_snapshot(folder, ["model.pt"], step=TRAIN["steps"])  # for the worst case ("all")
+    baseline_path(folder).with_suffix(".self.json").write_text(json.dumps({s.name: s.to_dict() for s in own.stats}))
+    return {"ok": report.ok and own.ok, "tensors": len(rows)}
+
+
+def child_safepoint(folder: Path, step: int, digests: str) -> dict:
+    """`digests`: "on" (as shipped: heads, whole digests where the previous step's head is the same),
+    "off" (the digest code replaced by a no-op: what the digests cost), "all" (every tensor unchanged
+    since the baseline, the worst case: the baseline is this checkpoint's own heads)."""
+    t0 = time.perf_counter()
+    from safepoint.validation import audit
+    from safepoint.validation.audit import Baseline
+    from safepoint.validation.validate import validate_snapshot
+
+    rows = json.loads(baseline_path(folder).read_text())
+    if digests == "off":
+        class _NoDigest:
+            def __init__(self, policy: object) -> None: ...
+            def update(self, data: object) -> None: ...
+            def result(self) -> tuple[None, None]:
+                return None, None
+
+        audit._Digest = _NoDigest
+        audit._bytes_of = lambda piece: None
+    if digests == "all":
+        rows = json.loads(baseline_path(folder).with_suffix(".self.json").read_text())
+    baseline = Baseline(f"bench/{step - 1}", stats=rows, step=step - 1)
     t1 = time.perf_counter()
-    report = validate_snapshot(folder, ["model.pt"], model=FACTORY, step=step)
+    report = validate_snapshot(folder, ["model.pt"], model=FACTORY, step=step, baseline=baseline)
     t2 = time.perf_counter()
+
     d = report.to_dict()
     sandbox = (d["checks"].get("sandbox") or {}).get("usage") or {}
     return {"ok": report.ok, "sandbox_peak_rss_bytes": sandbox.get("peak_rss_bytes", 0),
             "outcome": report.outcome, "bytes_checked": d["bytes_checked"],
             "tensors": d["tensors"], "summary": report.summary(), "harness": d["checks"].get("harness"),
             "optimizer_tensors": sum(1 for s in report.stats if s.name.startswith("optimizer.")),
+            "digested_whole": sum(1 for s in report.stats if s.digest and s.numel * 4 > audit.HEAD_BYTES),
             "phases": {"import": t1 - t0, "validate": t2 - t1}}
 
 
@@ -224,7 +281,8 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true", help="evict the file from the page cache before each contender")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--child", choices=["seeds", "safepoint"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["seeds", "safepoint", "baseline"], help=argparse.SUPPRESS)
+    ap.add_argument("--digests", choices=list(DIGEST_MODES), default="on", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--step", type=int, default=TRAIN["steps"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -232,10 +290,15 @@ def main() -> int:
         print(json.dumps({**child_seeds(Path(args.path)), "vm_hwm": _vm_hwm()}))
         return 0
     if args.child == "safepoint":
-        print(json.dumps({**child_safepoint(Path(args.path), args.step), "vm_hwm": _vm_hwm()}))
+        print(json.dumps({**child_safepoint(Path(args.path), args.step, args.digests), "vm_hwm": _vm_hwm()}))
+        return 0
+    if args.child == "baseline":
+        print(json.dumps({**child_baseline(Path(args.path)), "vm_hwm": _vm_hwm()}))
         return 0
 
     folder, info = ensure_checkpoint()
+    if not baseline_path(folder).is_file() or not baseline_path(folder).with_suffix(".self.json").is_file():
+        run_child(["--child", "baseline", "--path", str(folder)])
     if args.build_only:
         return 0
     path = folder / "model.pt"
@@ -243,25 +306,32 @@ def main() -> int:
 
     print(f"checkpoint {path}: {info['bytes'] / GiB:.2f} GiB, {info['params'] / 1e6:.0f} M parameters, model "
           f"{info['model_bytes'] / GiB:.2f} GiB + AdamW state; torch {version('torch')}, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}; page cache: {'cold (evicted before each)' if args.cold else 'warm'}")
-    runs: dict[str, list[dict]] = {"seeds": [], "safepoint": []}
+          f"load average {os.getloadavg()[0]:.1f}; page cache: {'cold (evicted before each)' if args.cold else 'warm'}"
+          f"; baseline: the same run one step earlier")
+    names = ["seeds", *DIGEST_MODES.values()]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.repeat):
-        order = ["seeds", "safepoint"] if r % 2 == 0 else ["safepoint", "seeds"]
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
             prepare_cache(path, args.cold)
-            child = ["--child", name, "--path", str(path if name == "seeds" else folder)]
+            if name == "seeds":
+                child = ["--child", "seeds", "--path", str(path)]
+            else:
+                mode = next(k for k, v in DIGEST_MODES.items() if v == name)
+                child = ["--child", "safepoint", "--path", str(folder), "--digests", mode]
             res = run_child(child)
             # validation reads in a sandboxed child (safepoint.sandbox): its peak counts, not just the caller's
             res["peak_rss_bytes"] = max(res["peak_rss_bytes"], res.get("sandbox_peak_rss_bytes", 0))
             runs[name].append(res)
-            print(f"  round {r + 1} {name:9s}: {res['wall_s']:6.2f} s (CPU {res['cpu_s']:5.2f} s), "
+            print(f"  round {r + 1} {name:20s}: {res['wall_s']:6.2f} s (CPU {res['cpu_s']:5.2f} s), "
                   f"peak RSS {res['peak_rss_bytes'] / GiB:5.2f} GiB (ru_maxrss {res['ru_maxrss_bytes'] / GiB:.2f}), "
                   "phases "
                   f"{', '.join(f'{k} {v:.2f}' for k, v in res['phases'].items())}", flush=True)
+    for name in names[1:]:
+        if not runs[name][-1]["ok"]:
+            print(f"{name}: validation did not pass: {runs[name][-1]['summary']}")
+            return 1
     sp = runs["safepoint"][-1]
-    if not sp["ok"]:
-        print(f"safepoint validation did not pass: {sp['summary']}")
-        return 1
 
     def med(name: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[name])
@@ -269,18 +339,19 @@ def main() -> int:
     def best(name: str, key: str) -> float:
         return min(x[key] for x in runs[name])
 
-    rows = []
-    for name, covers in (("seeds", "SHA-256 + torch.load + NaN/Inf over model only"),
-                         ("safepoint", "model + optimizer: NaN/Inf, norm, max|x|; strict load vs factory")):
-        x = runs[name][-1]
-        rows.append((name, med(name, "wall_s"), best(name, "wall_s"), med(name, "cpu_s"),
-                     max(r["peak_rss_bytes"] for r in runs[name]), x["bytes_checked"], x["tensors"], covers))
+    covers = {"seeds": "SHA-256 + torch.load + NaN/Inf over model only",
+              "safepoint": "model + optimizer: NaN/Inf, norm, max|x|, digests; strict load vs factory",
+              "safepoint (no digests)": "the same without tensor digests",
+              "safepoint (all unchanged)": "worst case: every tensor digested whole"}
     print()
     print(f"| contender | wall s (median of {args.repeat}) | wall s (best) | CPU s (median) | peak RSS GiB (max) "
-          "| bytes checked | tensors | coverage |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
-    for name, m, b, cpu, rss, nbytes, n, covers in rows:
-        print(f"| {name} | {m:.2f} | {b:.2f} | {cpu:.2f} | {rss / GiB:.2f} | {nbytes / GiB:.2f} GiB | {n} | {covers} |")
+          "| bytes checked | tensors | digested whole | coverage |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name in names:
+        x = runs[name][-1]
+        print(f"| {name} | {med(name, 'wall_s'):.2f} | {best(name, 'wall_s'):.2f} | {med(name, 'cpu_s'):.2f} | "
+              f"{max(r['peak_rss_bytes'] for r in runs[name]) / GiB:.2f} | {x['bytes_checked'] / GiB:.2f} GiB | "
+              f"{x['tensors']} | {x.get('digested_whole', '-')} | {covers[name]} |")
     speed = med("seeds", "wall_s") / med("safepoint", "wall_s")
     rss = max(r["peak_rss_bytes"] for r in runs["safepoint"])
     print()
@@ -289,8 +360,15 @@ def main() -> int:
           f"{med('seeds', 'cpu_s') / med('safepoint', 'cpu_s'):.2f}x")
     print(f"safepoint peak RSS: {rss / GiB:.2f} GiB  (target <= 1 GiB); seeds: "
           f"{max(r['peak_rss_bytes'] for r in runs['seeds']) / GiB:.2f} GiB")
-    print(f"coverage: safepoint checked {rows[1][5] / rows[0][5]:.1f}x the bytes the seeds' verifier checked "
-          f"({sp['optimizer_tensors']} optimizer tensors); harness: {json.dumps(sp['harness'])}")
+    off, on, worst = (med(n, "wall_s") for n in names[1:])
+    off_v, on_v, worst_v = (statistics.median(x["phases"]["validate"] for x in runs[n]) for n in names[1:])
+    print(f"digest cost (median wall, safepoint vs no digests): {(on - off) / on:+.1%} of validation wall time "
+          f"(target <= 10%); of the validate phase alone: {(on_v - off_v) / on_v:+.1%}; worst case, every tensor "
+          f"unchanged and digested whole: {(worst - off) / worst:+.1%} "
+          f"(validate phase {(worst_v - off_v) / worst_v:+.1%})")
+    print(f"coverage: safepoint checked {sp['bytes_checked'] / runs['seeds'][-1]['bytes_checked']:.1f}x the bytes "
+          f"the seeds' verifier checked ({sp['optimizer_tensors']} optimizer tensors); harness: "
+          f"{json.dumps(sp['harness'])}")
     if args.json:
         doc = {"info": info, "cold": args.cold, "runs": runs, "speedup": speed}
         Path(args.json).write_text(json.dumps(doc, indent=1))

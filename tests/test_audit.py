@@ -15,8 +15,20 @@ from safepoint.core.errors import UsageError
 from safepoint.core.states import CheckpointState as CS
 from safepoint.local.commit import commit
 from safepoint.ops.ingest import ingest
-from safepoint.validation.audit import Baseline, TensorStat, Thresholds, norm_jumps, stat_keys, stat_rows, tensor_stat
+from safepoint.validation.audit import (
+    HEAD_BYTES,
+    Baseline,
+    TensorStat,
+    Thresholds,
+    baseline_heads,
+    norm_jumps,
+    stat_keys,
+    stat_of,
+    stat_rows,
+    tensor_stat,
+)
 from safepoint.validation.loaders import Problem
+from safepoint.validation.loaders.base import LoadedTensor
 from safepoint.validation.settings import ValidationSettings
 from tests.helpers_ckpt import make_torch_save_ckpt
 
@@ -78,6 +90,55 @@ def test_float32_overflowing_squares_still_give_the_norm() -> None:
 def test_scalar_value_is_kept_for_the_step_check() -> None:
     assert tensor_stat("step", torch.tensor(41.0)).value == 41.0
     assert tensor_stat("w", torch.ones(3)).value is None
+
+
+def _b3(data: bytes) -> str:
+    import blake3
+
+    return blake3.blake3(data).hexdigest(16)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_digests_are_blake3_of_the_bytes_whatever_the_pieces(dtype: torch.dtype, chunk: int) -> None:
+    t = (torch.randn(100_000) * 10).to(dtype)  # more than HEAD_BYTES even as bool
+    raw = t.view(torch.uint8).numpy().tobytes()
+    head = _b3(raw[:HEAD_BYTES])
+    whole = stat_of("t", LoadedTensor(t), chunk_elems=chunk)  # no policy: digested whole
+    assert (whole.head, whole.digest) == (head, _b3(raw))
+    moved = stat_of("t", LoadedTensor(t), chunk_elems=chunk, full_digest=lambda h: False)
+    assert (moved.head, moved.digest) == (head, None)  # head only: the bytes were read once, not hashed twice
+    asked = stat_of("t", LoadedTensor(t), chunk_elems=chunk, full_digest={head}.__contains__)
+    assert asked.digest == _b3(raw)
+
+
+def test_a_tensor_smaller_than_the_head_is_always_digested_whole() -> None:
+    t = torch.arange(10, dtype=torch.float32)
+    s = stat_of("t", LoadedTensor(t), full_digest=lambda h: False)
+    assert s.head == s.digest == _b3(t.numpy().tobytes())
+
+
+def test_digest_follows_logical_order_not_strides() -> None:
+    x = torch.randn(300, 200)
+    assert tensor_stat("x", x.t()).digest == tensor_stat("x", x.t().contiguous()).digest
+    assert tensor_stat("x", x.t()).digest != tensor_stat("x", x).digest
+
+
+def test_full_digest_only_where_the_baseline_head_matches(tmp_path: Path) -> None:
+    """Validation digests a tensor whole only where the previous checkpoint has the same head."""
+    from safepoint.validation.validate import validate_snapshot
+
+    moved, frozen = torch.randn(64, 1024), torch.randn(64, 1024)
+    torch.save({"moved": moved, "frozen": frozen}, tmp_path / "a.pt")
+    first = {s.name: s for s in validate_snapshot(tmp_path, ["a.pt"]).stats}
+    assert all(s.head and s.digest is None for s in first.values())  # no baseline: heads only
+    baseline = Baseline("run/1", stats={k: s.to_dict() for k, s in first.items()}, step=1)
+    assert baseline_heads(baseline) == {k: s.head for k, s in first.items()}
+    torch.save({"moved": moved + 1e-3, "frozen": frozen}, tmp_path / "a.pt")
+    second = {s.name: s for s in validate_snapshot(tmp_path, ["a.pt"], baseline=baseline).stats}
+    assert second["moved"].head != first["moved"].head and second["moved"].digest is None
+    assert second["frozen"].head == first["frozen"].head
+    assert second["frozen"].digest == _b3(frozen.numpy().tobytes())
 
 
 def test_stat_keys_qualify_names_found_in_several_files() -> None:
@@ -208,3 +269,24 @@ def test_per_run_model_in_config_runs_the_strict_load(tmp_path: Path, sqlite_cat
     assert v.report["checks"]["harness"]["model"] == "tests.test_harness:wider_model"
     assert "model.0.weight" in {f["tensor"] for f in v.report["findings"] if f["problem"] == "shape"}
     assert _ingest(tmp_path, catalog, "other", 2, config=config).state is CS.VERIFIED
+
+
+def test_whole_digests_in_the_sandbox_after_the_caller_hashed_with_threads(tmp_path: Path) -> None:
+    """The sandbox child is forked from the caller; a caller that already hashed a large file with
+    blake3's threads (commit, replicate) must not leave the child waiting on threads it does not have."""
+    from safepoint.core.hashing import hash_path
+    from safepoint.validation.validate import validate_snapshot
+
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\1" * (65 << 20))
+    hash_path(big)  # >= 64 MiB: blake3's thread pool now exists in this process
+    frozen = torch.randn(64, 1024)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save({"frozen": frozen}, folder / "a.pt")
+    first = validate_snapshot(folder, ["a.pt"]).stats[0]
+    baseline = Baseline("run/1", stats={first.name: first.to_dict()}, step=1)
+    settings = ValidationSettings.from_mapping({"sandbox_wall_seconds": 30, "sandbox_wall_seconds_per_gib": 1})
+    report = validate_snapshot(folder, ["a.pt"], baseline=baseline, settings=settings)
+    assert report.ok, report.summary()
+    assert report.stats[0].digest == _b3(frozen.numpy().tobytes())

@@ -27,10 +27,11 @@ from safepoint.core.states import CheckpointState
 from safepoint.validation.loaders.base import Limits, LoadedTensor, LoadError, Problem, TensorSource
 
 __all__ = [
-    "Baseline", "Jump", "TensorStat", "Thresholds", "baseline_from_catalog", "norm_jumps", "stat_keys", "stat_of",
-    "stat_rows", "tensor_stat",
+    "Baseline", "Jump", "TensorStat", "Thresholds", "baseline_from_catalog", "baseline_heads", "norm_jumps",
+    "stat_keys", "stat_of", "stat_rows", "tensor_stat",
 ]
 
+HEAD_BYTES = 64 * 1024  # the head digest: where a trained tensor moves, its head moves too; ~1% of the audit's cost
 DIGEST_HEX = 32  # 128 bits of BLAKE3: collision-safe for comparing two steps, compact at 10^5 tensors
 _NATIVE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -41,8 +42,10 @@ class TensorStat:
     """Stats of one tensor. norm and max_abs cover the finite values only (NaN/Inf are counted apart).
 
     `value` holds the value of a one-element tensor (e.g. a step counter), for the step check.
-    `digest` (BLAKE3 over the bytes as they stream, no second pass) lets the consistency rules tell a
-    tensor that did not change between two checkpoints from one that did (safepoint.rules.consistency).
+    `head` and `digest` (BLAKE3 over the bytes as they stream, no second pass) let the consistency rules
+    tell a tensor that did not change between two checkpoints from one that did (safepoint.rules.consistency):
+    a different head proves a change; equal heads are settled by the whole-tensor digests, or by equal
+    stats where the older step has none (see stat_of).
     """
 
     name: str
@@ -55,7 +58,8 @@ class TensorStat:
     nan_count: int
     inf_count: int
     value: float | None = None
-    digest: str | None = None  # BLAKE3 of the tensor's bytes as stored (DIGEST_HEX chars): byte-identity across steps
+    head: str | None = None    # BLAKE3 of the first HEAD_BYTES of the tensor's bytes as stored (DIGEST_HEX chars)
+    digest: str | None = None  # BLAKE3 of all its bytes, where identity with the previous step is in question
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -112,17 +116,24 @@ def _readable(src: TensorSource) -> bool:
     return src.dtype is not None
 
 
-def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems) -> TensorStat:
+def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems,
+            full_digest: Callable[[str], bool] | None = None) -> TensorStat:
     """Stats of a tensor, read piece by piece. A LoadError while reading propagates (it is a finding);
-    a dtype or layout the stats cannot handle gives norm/max_abs None."""
+    a dtype or layout the stats cannot handle gives norm/max_abs None.
+
+    The head digest covers the first HEAD_BYTES; `full_digest(head)` says, once the head is known,
+    whether to hash the rest too (None: always). Validation asks for it only where the previous
+    checkpoint holds the same head, the one case where byte identity is in question: a tensor whose
+    head moved has moved, and hashing it whole would double the cost of the audit.
+    """
     shape = tuple(int(d) for d in src.shape)
     numel = math.prod(shape)
     base = dict(name=name, file=file, dtype=_dtype_name(src), shape=shape, numel=numel)
     if not _readable(src):
         return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0)
-    acc, usable, value, hasher = _Acc(), True, None, blake3.blake3()
+    acc, usable, value, digest = _Acc(), True, None, _Digest(full_digest)
     for piece in src.pieces(max(1, chunk_elems)):
-        hasher.update(_bytes_of(piece))
+        digest.update(_bytes_of(piece))
         if numel == 1 and not piece.is_complex():
             try:
                 value = float(piece[0])
@@ -134,18 +145,57 @@ def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = 
             except (RuntimeError, TypeError, NotImplementedError):
                 usable = False  # keep reading: a bad chunk further on is still a finding
         del piece
+    head, full = digest.result()
     if not usable:
         if src.dtype.is_floating_point or src.dtype.is_complex:  # could hold NaN/Inf: fail closed
             raise LoadError(Problem.UNLOADABLE, f"{name}: the audit cannot read {base['dtype']} values: refused")
-        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0, value=value,
-                          digest=hasher.hexdigest(DIGEST_HEX // 2))
+        return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0, value=value, head=head,
+                          digest=full)
     return TensorStat(**base, norm=math.sqrt(acc.sumsq), max_abs=acc.max_abs, nan_count=acc.nans,
-                      inf_count=acc.infs, value=value, digest=hasher.hexdigest(DIGEST_HEX // 2))
+                      inf_count=acc.infs, value=value, head=head, digest=full)
+
+
+class _Digest:
+    """BLAKE3 of a tensor's first HEAD_BYTES (always) and of all its bytes (when asked, once the head is known).
+
+    The head's bytes are kept (at most HEAD_BYTES) until the decision, so pieces of any size work."""
+
+    def __init__(self, full_digest: Callable[[str], bool] | None) -> None:
+        self.policy = full_digest
+        self.head_bytes = bytearray()
+        self.head: str | None = None
+        self.full: blake3.blake3 | None = None
+
+    def update(self, data: memoryview) -> None:
+        if self.head is None:
+            take = HEAD_BYTES - len(self.head_bytes)
+            self.head_bytes += data[:take]
+            if len(self.head_bytes) < HEAD_BYTES:
+                return
+            self._decide()
+            data = data[take:]
+        if self.full is not None and len(data):
+            self.full.update(data)
+
+    def _decide(self) -> None:
+        self.head = blake3.blake3(bytes(self.head_bytes)).hexdigest(DIGEST_HEX // 2)
+        if self.policy is None or self.policy(self.head):
+            # One thread: this runs in the sandbox child, forked from a caller whose blake3 (rayon) pool
+            # may already exist; its threads are not in the child, and a job sent to them never returns.
+            self.full = blake3.blake3()
+            self.full.update(self.head_bytes)
+        self.head_bytes = bytearray()
+
+    def result(self) -> tuple[str, str | None]:
+        if self.head is None:  # the whole tensor fits in the head: its digest is the head's
+            self.head = blake3.blake3(bytes(self.head_bytes)).hexdigest(DIGEST_HEX // 2)
+            return self.head, self.head
+        return self.head, self.full.hexdigest(DIGEST_HEX // 2) if self.full is not None else None
 
 
 def _bytes_of(piece: torch.Tensor) -> memoryview:
     """The raw bytes of a flat contiguous piece, without a copy (any dtype: viewed as bytes)."""
-    return memoryview(piece.contiguous().view(torch.uint8).numpy())
+    return memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def tensor_stat(name: str, t: torch.Tensor, *, file: str = "", chunk_elems: int = Limits.stats_chunk_elems,
@@ -262,6 +312,13 @@ def jump_ratio(norm: float, previous: float, numel: int, thresholds: Thresholds)
     if previous <= small:
         return 1.0, False
     return previous / max(norm, thresholds.norm_floor), False
+
+
+def baseline_heads(baseline: Baseline | None) -> dict[str, str]:
+    """The head digest of each tensor of the baseline, by stat key (what stat_of's full_digest asks about)."""
+    if baseline is None:
+        return {}
+    return {key: row["head"] for key, row in baseline.stats.items() if row.get("head")}
 
 
 def baseline_from_catalog(catalog: Any, run: str, step: int) -> Baseline | None:

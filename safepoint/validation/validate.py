@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,7 +42,7 @@ from typing import Any
 
 from safepoint.core.errors import FormatError
 from safepoint.core.format import CONTROL_FILES, TMP_PREFIX, safe_relpath
-from safepoint.validation.audit import Baseline, TensorStat, norm_jumps, stat_of, tensor_stat
+from safepoint.validation.audit import Baseline, TensorStat, baseline_heads, norm_jumps, stat_of, tensor_stat
 from safepoint.validation.harness import Found, Harness, TensorSpec, build_harness, check
 from safepoint.validation.layouts import PLAIN as PLAIN_LAYOUT
 from safepoint.validation.layouts import TRAINER_STATE, RecordedStep, detect_layout, is_step_leaf, step_mismatches
@@ -189,9 +189,10 @@ def _small_value(v: Any) -> bool:
 
 
 class _Validator:
-    def __init__(self, folder: Path, settings: ValidationSettings) -> None:
+    def __init__(self, folder: Path, settings: ValidationSettings, heads: dict[str, str] | None = None) -> None:
         self.folder = folder
         self.settings = settings
+        self.heads = heads or {}  # the previous checkpoint's head digests by stat key (audit.baseline_heads)
         self.limits = settings.limits
         self.report = ValidationReport()
         self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
@@ -255,7 +256,8 @@ class _Validator:
                         self.recorded.append(RecordedStep(file, name, leaf))
                 continue
             try:
-                st = stat_of(name, leaf, file=file, chunk_elems=self.limits.stats_chunk_elems)
+                st = stat_of(name, leaf, file=file, chunk_elems=self.limits.stats_chunk_elems,
+                             full_digest=self.same_head(file, name))
             except LoadError as e:
                 e.tensor = e.tensor or name
                 on_problem(e)
@@ -274,6 +276,11 @@ class _Validator:
                 self.nonfinite(file, name, Problem.NAN, st.nan_count)
             if st.inf_count:
                 self.nonfinite(file, name, Problem.INF, st.inf_count)
+
+    def same_head(self, file: str, name: str) -> Callable[[str], bool]:
+        """Whether to digest a tensor whole: only where the previous checkpoint's head is the same."""
+        previous = {self.heads.get(name), self.heads.get(f"{file}:{name}")} - {None}
+        return previous.__contains__
 
     def run(self, files: list[str]) -> ValidationReport:
         present: list[str] = []
@@ -524,7 +531,7 @@ def validate_snapshot(
     spec = model if model is not None else settings.model
     harness = build_harness(spec, settings.device) if isinstance(spec, str) else spec
     root = Path(folder)
-    v = _Validator(root, settings)
+    v = _Validator(root, settings, baseline_heads(baseline))
     if not root.is_dir():
         v.find(".", Problem.MISSING, f"{os.fspath(folder)}: snapshot folder missing")
         return v.report
@@ -554,9 +561,10 @@ def validate_snapshot(
 
 # ------------------------------------------------------------------------------------------ the sandbox
 
-def read_files(folder: str, files: list[str], settings: ValidationSettings) -> dict[str, Any]:
+def read_files(folder: str, files: list[str], settings: ValidationSettings,
+               heads: dict[str, str] | None = None) -> dict[str, Any]:
     """Read and audit `files` of a snapshot folder (in the sandboxed child); the results as plain data."""
-    v = _Validator(Path(folder), settings)
+    v = _Validator(Path(folder), settings, heads)
     with torch_threads(settings.threads):
         v.run(files)
     r = v.report
@@ -594,7 +602,7 @@ def _run_in_sandbox(v: _Validator, files: list[str]) -> None:
     """v.run(files) in a child process with memory, CPU and wall-clock limits (safepoint.sandbox)."""
     limits = v.settings.sandbox
     nbytes, mapped = _input_bytes(v.folder, files)
-    out = run_limited(read_files, (os.fspath(v.folder), files, v.settings), limits, input_bytes=nbytes,
+    out = run_limited(read_files, (os.fspath(v.folder), files, v.settings, v.heads), limits, input_bytes=nbytes,
                       mapped_bytes=mapped)
     v.report.checks["sandbox"] = {"limit": out.limit, "usage": out.usage}
     if not out.ok:
