@@ -6,11 +6,12 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
 import pytest
-import torch
 
 from safepoint.core.errors import UsageError
 from safepoint.validation.sandbox import SandboxLimits, note, run_limited
@@ -123,9 +124,13 @@ def test_settings():
 
 
 def test_validation_past_its_limit_is_invalid_with_the_reason(tmp_path):
-    """The legacy torch.save format cannot be mapped: loading it takes memory the limit does not give."""
-    torch.save({"w": torch.zeros(48 << 20, dtype=torch.uint8)}, tmp_path / "model.pt",
-               _use_new_zipfile_serialization=False)
+    """The legacy torch.save format cannot be mapped: loading it takes memory the limit does not give.
+
+    The file is written by another process: the child is forked from this one, and a 48 MiB block this
+    process had just freed would be address space the child may reuse without mapping more."""
+    subprocess.run([sys.executable, "-c", "import sys, torch; torch.save({'w': torch.zeros(48 << 20, "
+                    "dtype=torch.uint8)}, sys.argv[1], _use_new_zipfile_serialization=False)",
+                    str(tmp_path / "model.pt")], check=True)
     settings = ValidationSettings.from_mapping({"sandbox_memory_bytes": 4 << 20})
     report = validate_snapshot(tmp_path, ["model.pt"], settings=settings)
     assert report.outcome == "invalid"

@@ -8,7 +8,9 @@ data (JSON: a compromised child cannot send back anything that runs), or the lim
 - memory: `RLIMIT_AS` = the child's size at start + `memory_bytes` + the bytes of the files it may
   map (torch.save zip files are memory-mapped, which costs address space, not memory; validation
   streams, so `memory_bytes` does not grow with the checkpoint); the parent also watches the
-  child's anonymous resident memory (RssAnon) against the same allowance;
+  child's anonymous resident memory (RssAnon) against the same allowance, every 2 ms for the first
+  half second and every 50 ms after: a forked child may reuse heap the caller had freed without
+  mapping more, which `RLIMIT_AS` cannot see;
 - CPU: `RLIMIT_CPU` = `cpu_seconds` + `cpu_seconds_per_gib` per GiB of input (SIGXCPU, then SIGKILL);
 - wall clock: `wall_seconds` + `wall_seconds_per_gib` per GiB; past it the child is killed.
 
@@ -42,6 +44,9 @@ from safepoint.core.errors import SafepointError, UsageError
 GiB = 1 << 30
 MiB = 1 << 20
 _POLL_S = 0.05
+# A child that allocates and frees within a few milliseconds is seen only by a fine watch; that
+# costs the parent nothing measurable for the first moments, and the coarse one after.
+_FINE_POLL_S, _FINE_FOR_S = 0.002, 0.5
 _MAX_RESULT_BYTES = 1 << 30
 _START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
@@ -223,9 +228,10 @@ def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, i
     rss0 = 0
     started = False
     killed: str | None = None
+    t0 = time.monotonic()
     try:
         while True:
-            if recv.poll(_POLL_S):
+            if recv.poll(_FINE_POLL_S if time.monotonic() - t0 < _FINE_FOR_S else _POLL_S):
                 try:
                     data = recv.recv_bytes(_MAX_RESULT_BYTES)
                 except (EOFError, OSError):
