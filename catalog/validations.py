@@ -15,7 +15,7 @@ from safepoint.catalog.views import ValidationRow
 from safepoint.core.errors import CatalogError
 from safepoint.core.redact import redact
 
-_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count")
+_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count", "head", "digest", "value")
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -46,6 +46,7 @@ class Validations(CatalogBase):
                 "shape": [int(x) for x in (t.get("shape") or ())], "numel": int(t.get("numel") or 0),
                 "norm": _finite_or_none(t.get("norm")), "max_abs": _finite_or_none(t.get("max_abs")),
                 "nan_count": int(t.get("nan_count") or 0), "inf_count": int(t.get("inf_count") or 0),
+                "head": t.get("head"), "digest": t.get("digest"), "value": _finite_or_none(t.get("value")),
             } for t in tensor_stats]
             if rows:
                 s.execute(sa.insert(TensorStat.__table__), rows)
