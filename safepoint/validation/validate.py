@@ -11,7 +11,9 @@ On top of what loading alone catches, validation can run:
 - a strict dry-run load against the user's model factory (safepoint.harness): missing, unexpected
   and renamed keys, shape and dtype mismatches, optimizer state vs parameter groups, recorded step
   vs the catalog's step;
-- a norm-jump audit against the previous verified checkpoint of the run (`baseline`).
+- a norm-jump audit against the previous verified checkpoint of the run (`baseline`);
+- the consistency rules against it (safepoint.rules.consistency): a stale optimizer or stale weights,
+  a duplicate of an earlier step, step counters that tear (safepoint.validation.consistency).
 
 Every tensor has a role (safepoint.validation.roles: parameter, buffer, optimizer state, trainer metadata, RNG
 state, unknown); the rules table says per role whether NaN/Inf fail or are reported as warnings,
@@ -42,7 +44,8 @@ from typing import Any
 
 from safepoint.core.errors import FormatError
 from safepoint.core.format import CONTROL_FILES, TMP_PREFIX, safe_relpath
-from safepoint.validation.audit import Baseline, TensorStat, baseline_heads, norm_jumps, stat_of, tensor_stat
+from safepoint.validation.audit import Baseline, TensorStat, baseline_heads, norm_jumps, stat_keys, stat_of, tensor_stat
+from safepoint.validation.consistency import check_consistency, counters_of
 from safepoint.validation.harness import Found, Harness, TensorSpec, build_harness, check
 from safepoint.validation.layouts import PLAIN as PLAIN_LAYOUT
 from safepoint.validation.layouts import TRAINER_STATE, RecordedStep, detect_layout, is_step_leaf, step_mismatches
@@ -483,6 +486,22 @@ class _Validator:
             else:
                 self.flag(j.file, Problem.NORM_JUMP, message, j.name)
 
+    def run_consistency(self, baseline: Baseline | None, step: int | None) -> None:
+        """The consistency rules against the baseline; the counters are kept for the next checkpoint's."""
+        if step is None:
+            return
+        stats = self.report.stats
+        counters = counters_of(stats, self.values, self.recorded, self.settings.rules, step)
+        self.report.checks["counters"] = counters.to_dict()
+        found = check_consistency(stats, counters, baseline, self.settings.rules)
+        self.report.checks["consistency"] = {"against": baseline.label if baseline is not None else None,
+                                             "findings": [f.to_dict() for f in found]}
+        files = dict(zip(stat_keys(stats), (s.file for s in stats)))
+        main = max(set(files.values()), key=list(files.values()).count) if files else "."
+        for f in found:
+            tensor = f.tensors[0] if f.tensors and f.tensors[0] in files else None
+            self.flag(files.get(tensor or "", main), Problem(f.rule), f.message, tensor)
+
     def run_step_check(self, step: int | None) -> None:
         """The step the trainer recorded inside (trainer_state.json, Lightning, torchtitan) vs the catalog's."""
         if self.recorded:
@@ -522,7 +541,7 @@ def validate_snapshot(
     path as their file.
     model: a factory spec `package.module:function` (or a built Harness) for the strict dry-run
     load; it overrides settings.model. step: the catalog's step, checked against the checkpoint's.
-    baseline: stats of the previous verified checkpoint, for the norm-jump audit.
+    baseline: stats of the previous verified checkpoint, for the norm-jump audit and the consistency rules.
     Raises HarnessError (a UsageError) when the model factory cannot be built.
     """
     settings = settings or ValidationSettings()
@@ -554,6 +573,8 @@ def validate_snapshot(
         v.run_harness(harness, step)
     if baseline is not None and not unreadable:
         v.run_audit(baseline)
+    if not unreadable:
+        v.run_consistency(baseline, step)
     if settings.check_step and not unreadable:
         v.run_step_check(step)
     return v.report
