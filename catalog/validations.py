@@ -25,6 +25,12 @@ def _finite_or_none(x: Any) -> float | None:
     return None if math.isnan(x) else x
 
 
+def _consistency_rules(report: dict[str, Any] | None) -> list[str]:
+    """The rule of each consistency finding in a validation report (safepoint.rules.consistency)."""
+    found = (((report or {}).get("checks") or {}).get("consistency") or {}).get("findings") or []
+    return [str(f.get("rule")) for f in found if isinstance(f, dict) and f.get("rule")]
+
+
 class Validations(CatalogBase):
     """Validation results of a checkpoint and the tensor stats behind them."""
 
@@ -50,8 +56,11 @@ class Validations(CatalogBase):
             } for t in tensor_stats]
             if rows:
                 s.execute(sa.insert(TensorStat.__table__), rows)
-            self._event(s, "validation", checkpoint_id=checkpoint_id,
-                        detail={"validation_id": v.id, "ok": bool(ok), "summary": v.summary, "tensors": len(rows)})
+            detail = {"validation_id": v.id, "ok": bool(ok), "summary": v.summary, "tensors": len(rows)}
+            rules = _consistency_rules(report)
+            if rules:
+                detail["consistency"] = rules  # for safepoint_consistency_findings_total (ops.metrics)
+            self._event(s, "validation", checkpoint_id=checkpoint_id, detail=detail)
             return v.id
 
     def latest_validation(self, checkpoint_id: int) -> ValidationRow | None:

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from safepoint.cli.main import main
+from safepoint.validation.report import markdown
 
 
 def sp(*args) -> int:
@@ -135,6 +136,11 @@ def test_stale_optimizer_state_is_caught(env, capsys, tmp_path: Path) -> None:
         assert f["tensor"].startswith("optimizer_states.0.state.") and f["tensor"].endswith(("exp_avg", "exp_avg_sq"))
         assert f"step {step} are byte-identical to step 1" in f["message"]
         assert "optimizer_states.0.state.0.exp_avg" in f["message"] and "state_dict.0.weight" in f["message"]
+    from safepoint.ops.metrics import render
+
+    metrics = render(env[1]).decode()
+    assert 'safepoint_consistency_findings_total{rule="stale_optimizer"} 2.0' in metrics
+    assert 'safepoint_consistency_findings_total{rule="torn"} 0.0' in metrics
 
 
 def test_weights_before_the_step_with_the_optimizer_after_it_is_torn(env, capsys, tmp_path: Path) -> None:
@@ -174,6 +180,11 @@ def test_weights_not_snapshotted_before_the_next_step_are_stale(env, capsys, tmp
     assert f["tensor"] == "state_dict.0.bias"
     assert "all 4 parameters of step 2 are byte-identical to step 1" in f["message"]
     assert "state_dict.2.weight" in f["message"]
+    capsys.readouterr()
+    assert sp("--catalog", env[1], "resume-point", "--run", "sw", "--explain") == 0
+    cap = capsys.readouterr()
+    assert "sw step 1" in cap.out
+    assert "skipped sw/2: state is invalid" in cap.err and "stale weights: all 4 parameters" in cap.err
 
 
 def test_a_duplicated_checkpoint_is_caught(env, capsys, tmp_path: Path) -> None:
@@ -188,8 +199,10 @@ def test_a_duplicated_checkpoint_is_caught(env, capsys, tmp_path: Path) -> None:
         torch.save({"model": model, "optimizer": optim, "scheduler": sched}, folder / "checkpoint.pt")
         assert commit_and_ingest(env, folder, "dup", step) == (0 if step == 2 else 1)
     assert states(env, capsys, "dup") == {2: "verified", 4: "invalid"}
-    [f] = failing(show(env, capsys, "dup", 4), "duplicate")
+    report = show(env, capsys, "dup", 4)
+    [f] = failing(report, "duplicate")
     assert f["message"].startswith("duplicate of step 2: all 4 parameters and 8 optimizer tensors of step 4")
+    assert "| consistency | against dup/2: duplicate (2 -> 4)" in markdown("dup", 4, "invalid", report)  # the artifact
     capsys.readouterr()
     assert sp("--catalog", env[1], "show", "dup", 4) == 1
     assert "duplicate of step 2" in capsys.readouterr().out
