@@ -208,6 +208,23 @@ def test_a_duplicated_checkpoint_is_caught(env, capsys, tmp_path: Path) -> None:
     assert "duplicate of step 2" in capsys.readouterr().out
 
 
+def test_a_fork_is_compared_with_its_lineage_parent(env, capsys, tmp_path: Path) -> None:
+    """A checkpoint of a new run declared `--parent base:2` is compared with base/2 (its own run has none)."""
+    loop = Loop()
+    for _ in loop.steps(2):
+        pass
+    model, optim, sched = snap(loop)
+    assert commit_and_ingest(env, save_ckpt(tmp_path / "base2", model, optim, sched, 2), "base", 2) == 0
+    loop.step()
+    folder = save_ckpt(tmp_path / "fork3", copy.deepcopy(loop.model.state_dict()), optim, sched, 3)
+    assert sp("--catalog", env[1], "commit", folder, "--run", "fork", "--step", 3, "--parent", "base:2") == 0
+    assert ingest(env, folder) == 1
+    report = show(env, capsys, "fork", 3)
+    assert report["checks"]["consistency"]["against"] == "base/2"
+    [f] = failing(report, "stale_optimizer")
+    assert "of step 3 are byte-identical to step 2" in f["message"]
+
+
 def test_a_consistency_rule_as_a_warning_keeps_the_checkpoint_verified(env, capsys, tmp_path: Path,
                                                                        safepoint_home: Path) -> None:
     (safepoint_home / "config.toml").write_text('[validation]\nwarn_only = ["duplicate"]\n')

@@ -66,7 +66,7 @@ from safepoint.validation.loaders import (
 from safepoint.validation.loaders.dcp import DCP_SUFFIX, METADATA_NAME
 from safepoint.validation.loaders.kinds import JSON, PICKLE, UNKNOWN, bare_pickle_dangerous, file_kind, holds_tensors
 from safepoint.validation.loaders.torchsave import ZIP_MAGIC
-from safepoint.validation.roles import FAIL, OFF, WARN
+from safepoint.validation.roles import FAIL, OFF, WARN, Role
 from safepoint.validation.sandbox import note, run_limited
 from safepoint.validation.settings import FAIL as SETTING_FAIL
 from safepoint.validation.settings import ValidationSettings
@@ -201,6 +201,7 @@ class _Validator:
         self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
         self.layout = PLAIN_LAYOUT
         self.recorded: list[RecordedStep] = []  # steps the trainer wrote inside (safepoint.validation.layouts)
+        self._roles: dict[tuple[str, str], Role] | None = None  # stat_roles(), once every tensor was read
 
     def find(self, file: str, problem: Problem, message: str, tensor: str | None = None,
              role: str | None = None) -> None:
@@ -470,16 +471,24 @@ class _Validator:
         for issue in result.issues:
             self.flag(origin.get(issue.tensor or "", main), issue.problem, issue.message, issue.tensor)
 
+    def stat_roles(self) -> dict[tuple[str, str], Role]:
+        """The role of every tensor read, by (file, name): computed once for the audit and the consistency rules."""
+        if self._roles is None:
+            rules = self.settings.rules
+            self._roles = {(s.file, s.name): rules.role(s.file, s.name) for s in self.report.stats}
+        return self._roles
+
     def run_audit(self, baseline: Baseline) -> None:
         t = self.settings.thresholds
         rules = self.settings.rules
-        action = {(s.file, s.name): rules.rule(rules.role(s.file, s.name)).norm_jump for s in self.report.stats}
+        roles = self.stat_roles()
+        action = {key: rules.rule(role).norm_jump for key, role in roles.items()}
         jumps, compared = norm_jumps(self.report.stats, baseline, t,
                                      include=lambda s: action[(s.file, s.name)] != OFF)
         self.report.checks["audit"] = {"against": baseline.label, "compared": compared,
                                        "norm_jump_factor": t.norm_jump_factor, "flagged": len(jumps)}
         for j in jumps:
-            role = rules.role(j.file, j.name)
+            role = roles[(j.file, j.name)]
             message = j.message(baseline.label, t.norm_jump_factor or 0) + f" ({role})"
             if action[(j.file, j.name)] == WARN:
                 self.report.warnings.append(Finding(j.file, j.name, Problem.NORM_JUMP, message, str(role)))
@@ -490,10 +499,10 @@ class _Validator:
         """The consistency rules against the baseline; the counters are kept for the next checkpoint's."""
         if step is None:
             return
-        stats = self.report.stats
-        counters = counters_of(stats, self.values, self.recorded, self.settings.rules, step)
+        stats, roles = self.report.stats, self.stat_roles()
+        counters = counters_of(stats, self.values, self.recorded, roles, step)
         self.report.checks["counters"] = counters.to_dict()
-        found = check_consistency(stats, counters, baseline, self.settings.rules)
+        found = check_consistency(stats, counters, baseline, roles)
         self.report.checks["consistency"] = {"against": baseline.label if baseline is not None else None,
                                              "findings": [f.to_dict() for f in found]}
         files = dict(zip(stat_keys(stats), (s.file for s in stats)))
