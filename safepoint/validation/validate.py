@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -505,8 +506,10 @@ class _Validator:
         found = check_consistency(stats, counters, baseline, roles)
         self.report.checks["consistency"] = {"against": baseline.label if baseline is not None else None,
                                              "findings": [f.to_dict() for f in found]}
+        if not found:
+            return
         files = dict(zip(stat_keys(stats), (s.file for s in stats)))
-        main = max(set(files.values()), key=list(files.values()).count) if files else "."
+        main = Counter(files.values()).most_common(1)[0][0] if files else "."  # for counters: the main file
         for f in found:
             tensor = f.tensors[0] if f.tensors and f.tensors[0] in files else None
             self.flag(files.get(tensor or "", main), Problem(f.rule), f.message, tensor)
