@@ -26,10 +26,11 @@ def validate_checkpoint(
     """Dry-run load of the (verified) local bytes; record the report, the tensor stats and the final state.
 
     Settings come from `[validation]` and `[runs.RUN]` of `config` (default: the config file);
-    `model` (--model, the flow parameter) overrides the run's factory. The numerical audit compares
-    with the checkpoint this one follows: its declared lineage parent where that is verified, else the
-    newest verified checkpoint of the run before this step (audit.baseline_from_catalog). A model factory that cannot be
-    built raises HarnessError (a UsageError) before the checkpoint changes state.
+    `model` (--model, the flow parameter) overrides the run's factory. The numerical audit and the
+    consistency rules compare with the checkpoint this one follows: its lineage parent (as the catalog
+    has it now) where that is verified, else the newest verified checkpoint of the run before this
+    step (audit.baseline_from_catalog). A model factory that cannot be built raises HarnessError (a
+    UsageError) before the checkpoint changes state.
     """
 
     m = snap.manifest
