@@ -153,3 +153,46 @@ def test_torn_rule(now, before, expected):
         assert words[0] in f.tensors and f.message.startswith("torn:")
         assert all(w in f.message for w in words[1:])
         assert f"step {now.catalog}" in f.message
+
+
+# ------------------------------------------------------------------------------------ gathering the inputs
+
+def _stat(name: str, value: float | None, file: str = "last.ckpt"):
+    from safepoint.validation.audit import TensorStat
+
+    return TensorStat(name=name, file=file, dtype="float32", shape=(), numel=1, norm=0.0, max_abs=0.0, nan_count=0,
+                      inf_count=0, value=value)
+
+
+@pytest.mark.parametrize("stats, values, recorded, expected", [
+    # torch >= 2.0: Adam `step` is a tensor; the largest is the optimizer's count (a lagging parameter is less)
+    ([_stat("optimizer_states.0.state.0.step", 5.0), _stat("optimizer_states.0.state.1.step", 4.0)],
+     {"lr_schedulers.0.last_epoch": 5}, [5], Counters(7, optimizer=5.0, scheduler=5.0, trainer=5.0)),
+    # older torch: a plain float; HF's scheduler.pt holds `last_epoch` at its top level
+    ([], {"state.0.step": 3.0, "last_epoch": 3}, [], Counters(7, optimizer=3.0, scheduler=3.0)),
+    # two schedulers that disagree: no scheduler counter; a `step` that is a parameter is not Adam's
+    ([_stat("model.step", 9.0)], {"lr_schedulers.0.last_epoch": 5, "lr_schedulers.1.last_epoch": 1}, [],
+     Counters(7)),
+    # a recorded step that is not a number is not a counter
+    ([], {}, ["last"], Counters(7)),
+])
+def test_counters_of(stats, values, recorded, expected):
+    from safepoint.validation.consistency import counters_of
+    from safepoint.validation.layouts import RecordedStep
+    from safepoint.validation.roles import Rules
+
+    rules = Rules()
+    roles = {(s.file, s.name): rules.role(s.file, s.name) for s in stats}
+    got = counters_of(stats, values, [RecordedStep("last.ckpt", "global_step", v) for v in recorded], roles, 7)
+    assert got == expected
+
+
+def test_consistency_line():
+    from safepoint.validation.report import consistency_line
+
+    assert consistency_line({"checks": {}}) is None  # a report from before the rules
+    first = {"checks": {"consistency": {"against": None, "findings": []}, "counters": {"catalog": 1, "optimizer": 1.0}}}
+    assert consistency_line(first) == ("no earlier verified checkpoint (step counters only): nothing stale, "
+                                       "duplicated or torn; counters: catalog 1, optimizer 1")
+    dup = {"checks": {"consistency": {"against": "r/2", "findings": [{"rule": "duplicate", "steps": [2, 4]}]}}}
+    assert consistency_line(dup) == "against r/2: duplicate (2 -> 4)"
