@@ -188,6 +188,11 @@ class TensorStat(Base):
     max_abs: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
     nan_count: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default=sa.text("0"))
     inf_count: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default=sa.text("0"))
+    # BLAKE3 of the first 64 KiB / of all bytes (where asked), and a one-element tensor's value: the
+    # consistency rules (safepoint.rules.consistency) compare them with the previous checkpoint's.
+    head: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
+    digest: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
+    value: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
 
 
 class Event(Base):

@@ -15,7 +15,7 @@ from safepoint.catalog.views import ValidationRow
 from safepoint.core.errors import CatalogError
 from safepoint.core.redact import redact
 
-_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count")
+_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count", "head", "digest", "value")
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -23,6 +23,12 @@ def _finite_or_none(x: Any) -> float | None:
         return None
     x = float(x)
     return None if math.isnan(x) else x
+
+
+def _consistency_rules(report: dict[str, Any] | None) -> list[str]:
+    """The rule of each consistency finding in a validation report (safepoint.rules.consistency)."""
+    found = (((report or {}).get("checks") or {}).get("consistency") or {}).get("findings") or []
+    return [str(f.get("rule")) for f in found if isinstance(f, dict) and f.get("rule")]
 
 
 class Validations(CatalogBase):
@@ -46,11 +52,15 @@ class Validations(CatalogBase):
                 "shape": [int(x) for x in (t.get("shape") or ())], "numel": int(t.get("numel") or 0),
                 "norm": _finite_or_none(t.get("norm")), "max_abs": _finite_or_none(t.get("max_abs")),
                 "nan_count": int(t.get("nan_count") or 0), "inf_count": int(t.get("inf_count") or 0),
+                "head": t.get("head"), "digest": t.get("digest"), "value": _finite_or_none(t.get("value")),
             } for t in tensor_stats]
             if rows:
                 s.execute(sa.insert(TensorStat.__table__), rows)
-            self._event(s, "validation", checkpoint_id=checkpoint_id,
-                        detail={"validation_id": v.id, "ok": bool(ok), "summary": v.summary, "tensors": len(rows)})
+            detail = {"validation_id": v.id, "ok": bool(ok), "summary": v.summary, "tensors": len(rows)}
+            rules = _consistency_rules(report)
+            if rules:
+                detail["consistency"] = rules  # for safepoint_consistency_findings_total (ops.metrics)
+            self._event(s, "validation", checkpoint_id=checkpoint_id, detail=detail)
             return v.id
 
     def latest_validation(self, checkpoint_id: int) -> ValidationRow | None:

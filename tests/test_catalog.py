@@ -211,8 +211,10 @@ def test_validations(catalog):
     ck = catalog.record_commit(m, d, None).id
     assert catalog.latest_validation(ck) is None
     stats = [{"name": f"layer.{i}.weight", "dtype": "torch.bfloat16", "shape": [64, i + 1], "numel": 64 * (i + 1),
-              "norm": 1.0 + i, "max_abs": 0.5, "nan_count": 0, "inf_count": 0} for i in range(10_000)]
+              "norm": 1.0 + i, "max_abs": 0.5, "nan_count": 0, "inf_count": 0,
+              "head": f"{i:032x}", "digest": f"{i:032x}" if i % 2 else None, "value": None} for i in range(10_000)]
     stats[3]["norm"] = float("nan")
+    stats[7]["value"] = 7.0  # a step counter's value (Adam `step`)
     stats[4]["max_abs"] = float("inf")
     t0 = time.monotonic()
     v1 = catalog.record_validation(ck, False, "nan in layer.3", {"n": 1}, stats[:2])
@@ -224,6 +226,8 @@ def test_validations(catalog):
     assert len(got) == 10_000 and got[0] == stats[0] and got[3]["norm"] is None
     assert got[4]["max_abs"] == float("inf")
     assert got[9_999]["shape"] == [64, 10_000]
+    one = f"{1:032x}"
+    assert (got[1]["head"], got[1]["digest"], got[2]["digest"], got[7]["value"]) == (one, one, None, 7.0)
 
 
 def test_events_and_runs(catalog):

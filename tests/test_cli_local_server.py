@@ -60,7 +60,7 @@ def test_later_commands_reuse_the_server_concurrently(fresh_env):
     runs = []
     for i in range(2):
         folder = base / f"ck{i}"
-        make_torch_save_ckpt(folder)
+        make_torch_save_ckpt(folder, seed=i)  # two steps of one run: the same bytes would be a duplicate
         assert safepoint(env, "commit", folder, "--run", "reuse", "--step", i).returncode == 0
         runs.append(folder)
     with ThreadPoolExecutor(2) as pool:

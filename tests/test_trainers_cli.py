@@ -77,9 +77,10 @@ def test_hf_trainer_through_the_cli(env, capsys, tmp_path: Path, prefect_api: st
     assert code == 0 and report["not_loaded"]["training_args.bin"].startswith("not loaded: opaque pickle")
     assert report["checks"]["audit"]["against"] == "hf/2" and report["checks"]["audit"]["flagged"] == 0
 
-    # planted NaN in a parameter, then in an Adam moment: invalid, the tensor named
-    for step, (where, name) in ((6, ("model.safetensors", "transformer.wte.weight")),
-                                (8, ("optimizer.pt", "state.2.exp_avg"))):
+    # planted NaN in a parameter, then in an Adam moment: invalid, the tensor named. Each is a copy of
+    # step 4 with one tensor changed, so the consistency rules see the other half as stale (vs hf/4).
+    for step, (where, name), stale in ((6, ("model.safetensors", "transformer.wte.weight"), "stale_optimizer"),
+                                       (8, ("optimizer.pt", "state.2.exp_avg"), "stale_weights")):
         folder = planted_copy(cks[1], tmp_path / f"checkpoint-{step}")
         data = json.loads((folder / "trainer_state.json").read_text())
         (folder / "trainer_state.json").write_text(json.dumps({**data, "global_step": step}))
@@ -91,8 +92,10 @@ def test_hf_trainer_through_the_cli(env, capsys, tmp_path: Path, prefect_api: st
         assert ingest(env, folder) == 1
         assert state_of(env, capsys, "hf", step) == "invalid"
         code, report = show(env, capsys, "hf", step)
-        assert code == 1 and [(f["problem"], f["tensor"], f["file"]) for f in report["findings"]] == [
-            ("nan", name, where)]
+        nan, consistency = report["findings"]
+        assert code == 1 and (nan["problem"], nan["tensor"], nan["file"]) == ("nan", name, where)
+        assert consistency["problem"] == stale and f"of step {step} are byte-identical to step 4" in consistency[
+            "message"]
 
 
 def test_lightning_through_the_cli(env, capsys, tmp_path: Path) -> None:
@@ -131,12 +134,14 @@ def test_torchtitan_dcp_through_the_cli(env, capsys, tmp_path: Path) -> None:
     assert sp("commit", bad, "--run", "tt", "--step", 20) == 0
     assert ingest(env, bad) == 1
     code, report = show(env, capsys, "tt", 20)
-    assert code == 1 and [(f["tensor"], f.get("role")) for f in report["findings"]] == [("0.weight", "parameter")]
+    nan, stale = report["findings"]  # the same optimizer state as step 10: stale, too
+    assert code == 1 and (nan["tensor"], nan.get("role")) == ("0.weight", "parameter")
+    assert stale["problem"] == "stale_optimizer" and "of step 20 are byte-identical to step 10" in stale["message"]
 
     wrong = torchtitan_style_dcp(tmp_path / "tt" / "step-30", step=31)  # committed under another step
     assert sp("commit", wrong, "--run", "tt", "--step", 30) == 0
     assert ingest(env, wrong) == 1
-    assert [f["problem"] for f in show(env, capsys, "tt", 30)[1]["findings"]] == ["step"]
+    assert [f["problem"] for f in show(env, capsys, "tt", 30)[1]["findings"]] == ["duplicate", "step"]  # of step 10
 
 
 def test_accelerate_through_the_cli(env, capsys, tmp_path: Path) -> None:

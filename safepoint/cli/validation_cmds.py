@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from safepoint.core.exits import EXIT_BAD, EXIT_OK
-from safepoint.validation.report import finding_rows, tensor_rows
+from safepoint.validation.report import consistency_line, finding_rows, tensor_rows
 
 
 def register(subparsers: Any) -> None:
@@ -71,6 +71,9 @@ def cmd_show(args: Any) -> int:
                   f"{a.get('flagged')} beyond x{a.get('norm_jump_factor')}")
     else:
         out.print("norm audit: no earlier verified checkpoint of this run to compare with")
+    consistency = consistency_line(doc)
+    if consistency:
+        out.print(escape(f"consistency: {consistency}"))
 
     rows = finding_rows(doc)
     for severity, title, style in (("fail", "Failures", "red"), ("warn", "Warnings", "yellow")):

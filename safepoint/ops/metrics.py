@@ -14,6 +14,8 @@ Metrics:
   ingest per run), `safepoint_ingest_seconds` (histogram);
 - `safepoint_failures_total{kind}`: checkpoints turned corrupt/invalid/incomplete, replicas
   failed/corrupt;
+- `safepoint_consistency_findings_total{rule}`: consistency findings (stale_optimizer, stale_weights,
+  duplicate, torn; failing or warning) of every validation (safepoint.rules.consistency);
 - `safepoint_host_memory_available_ratio`: MemAvailable / MemTotal now, and
   `safepoint_checkpoint_window_memory_available_min_ratio`: the lowest value an ingest saw.
 """
@@ -31,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.states import CheckpointState as CS
+from safepoint.rules.consistency import RULES
 
 LAG_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600, 7200)
 INGEST_BUCKETS = LAG_BUCKETS
@@ -152,6 +155,16 @@ class CatalogCollector(Collector):
             if d.get("throughput_bps") is not None:
                 tput.add_metric([run], float(d["throughput_bps"]))
         yield tput
+        consistency = CounterMetricFamily("safepoint_consistency_findings", "Consistency findings by rule (stale "
+                                          "optimizer, stale weights, duplicate, torn), failing or warning",
+                                          labels=["rule"])
+        by_rule = dict.fromkeys(RULES, 0)
+        for e in catalog.events(kind="validation"):
+            for rule in e["detail"].get("consistency") or []:
+                by_rule[rule] = by_rule.get(rule, 0) + 1
+        for rule, n in by_rule.items():
+            consistency.add_metric([rule], n)
+        yield consistency
         fail = CounterMetricFamily("safepoint_failures", "Failures by kind", labels=["kind"])
         for kind, n in failures.items():
             fail.add_metric([kind], n)

@@ -26,9 +26,11 @@ def validate_checkpoint(
     """Dry-run load of the (verified) local bytes; record the report, the tensor stats and the final state.
 
     Settings come from `[validation]` and `[runs.RUN]` of `config` (default: the config file);
-    `model` (--model, the flow parameter) overrides the run's factory. The numerical audit compares
-    with the newest verified checkpoint of the run before this step. A model factory that cannot be
-    built raises HarnessError (a UsageError) before the checkpoint changes state.
+    `model` (--model, the flow parameter) overrides the run's factory. The numerical audit and the
+    consistency rules compare with the checkpoint this one follows: its lineage parent (as the catalog
+    has it now) where that is verified, else the newest verified checkpoint of the run before this
+    step (audit.baseline_from_catalog). A model factory that cannot be built raises HarnessError (a
+    UsageError) before the checkpoint changes state.
     """
 
     m = snap.manifest
@@ -37,7 +39,8 @@ def validate_checkpoint(
     if not catalog.transition(checkpoint_id, CS.VALIDATING, expect={CS.REPLICATED, CS.VERIFIED}):
         return catalog.get_by_id(checkpoint_id).state
     started = datetime.now(timezone.utc)
-    baseline = baseline_from_catalog(catalog, m.run, m.step)
+    row = catalog.get_by_id(checkpoint_id)
+    baseline = baseline_from_catalog(catalog, m.run, m.step, parent=row.parent if row is not None else m.parent)
     report = validate_snapshot(snap.root, [f.path for f in m.files], model=harness, settings=settings, step=m.step,
                                baseline=baseline, **(options or {}))
     catalog.record_validation(checkpoint_id, report.ok, report.summary(), report.to_dict(), stat_rows(report.stats),

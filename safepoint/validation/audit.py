@@ -250,11 +250,13 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Baseline:
-    """Stats of the previous verified checkpoint of the same run: `label` (e.g. "run/100"), rows by name."""
+    """Stats of the previous verified checkpoint of the same run: `label` (e.g. "run/100"), rows by name,
+    and the step counters it recorded (report.checks["counters"], for the torn rule)."""
 
     label: str
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     step: int | None = None
+    counters: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -321,15 +323,26 @@ def baseline_heads(baseline: Baseline | None) -> dict[str, str]:
     return {key: row["head"] for key, row in baseline.stats.items() if row.get("head")}
 
 
-def baseline_from_catalog(catalog: Any, run: str, step: int) -> Baseline | None:
-    """The stats of the newest verified checkpoint of `run` before `step` (its latest validation)."""
+def baseline_from_catalog(catalog: Any, run: str, step: int, parent: tuple[str, int] | None = None,
+                          ) -> Baseline | None:
+    """The stats of the checkpoint this one follows (its latest validation): the declared lineage
+    `parent` (run, step) where it is verified (a resume or a fork continues from there, not from the
+    newest earlier step), else the newest verified checkpoint of `run` before `step`."""
 
-    earlier = [c for c in catalog.list_checkpoints(run, states=[CheckpointState.VERIFIED]) if c.step < step]
-    if not earlier:
-        return None
-    prev = max(earlier, key=lambda c: c.step)
+    prev = None
+    if parent is not None:
+        declared = catalog.get(*parent)
+        if declared is not None and declared.state is CheckpointState.VERIFIED:
+            prev = declared
+    if prev is None:
+        earlier = [c for c in catalog.list_checkpoints(run, states=[CheckpointState.VERIFIED]) if c.step < step]
+        if not earlier:
+            return None
+        prev = max(earlier, key=lambda c: c.step)
     validation = catalog.latest_validation(prev.id)
     if validation is None or not validation.ok:
         return None
     rows = catalog.tensor_stats(validation.id)
-    return Baseline(label=f"{run}/{prev.step}", stats={r["name"]: r for r in rows}, step=prev.step)
+    counters = (validation.report.get("checks") or {}).get("counters")
+    return Baseline(label=f"{prev.run}/{prev.step}", stats={r["name"]: r for r in rows}, step=prev.step,
+                    counters=counters)

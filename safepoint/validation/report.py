@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-__all__ = ["MAX_TABLE_ROWS", "artifact_key", "finding_rows", "markdown", "tensor_rows"]
+__all__ = ["MAX_TABLE_ROWS", "artifact_key", "consistency_line", "finding_rows", "markdown", "tensor_rows"]
 
 MAX_TABLE_ROWS = 1000
 
@@ -55,6 +55,21 @@ def tensor_rows(doc: dict[str, Any], stats: list[dict[str, Any]], limit: int = M
     return rows[:limit]
 
 
+def consistency_line(doc: dict[str, Any]) -> str | None:
+    """What the consistency rules compared and found (safepoint.rules.consistency), in one line;
+    None for a report written before they existed."""
+    c = (doc.get("checks") or {}).get("consistency")
+    if c is None:
+        return None
+    counters = (doc.get("checks") or {}).get("counters") or {}
+    shown = ", ".join(f"{k} {_fmt(v)}" for k, v in counters.items() if v is not None)
+    where = f"against {c['against']}" if c.get("against") else "no earlier verified checkpoint (step counters only)"
+    found = c.get("findings") or []
+    what = (", ".join(f"{f['rule']} ({f['steps'][0]} -> {f['steps'][1]})" for f in found) if found
+            else "nothing stale, duplicated or torn")
+    return f"{where}: {what}" + (f"; counters: {shown}" if shown else "")
+
+
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -79,6 +94,9 @@ def _checks_lines(doc: dict[str, Any]) -> list[str]:
                      f"{a.get('flagged')} beyond x{_fmt(a.get('norm_jump_factor'))} |")
     else:
         lines.append("| norm audit | no earlier verified checkpoint of this run to compare with |")
+    c = consistency_line(doc)
+    if c:
+        lines.append(f"| consistency | {_cell(c)} |")
     return lines
 
 

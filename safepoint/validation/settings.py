@@ -7,7 +7,8 @@
     norm_jump_rms_floor = 1e-2     # and so do norms whose RMS is below this (zero-initialised biases)
     norm_jump_min_numel = 2        # smaller tensors (step counters) are not compared
     norm_jump_ignore = ["*.step"]  # glob patterns of tensor names never compared
-    warn_only = ["dtype"]          # problems reported as warnings: flagged, but not failing
+    warn_only = ["dtype"]          # problems reported as warnings: flagged, but not failing; also the
+                                   # consistency rules: stale_optimizer, stale_weights, duplicate, torn
     model_key = "model"            # where the model's state sits (default: best of model, state_dict,
                                    # module, top level); optimizer_key and step_key likewise
     device = "meta"                # where the model factory builds the model

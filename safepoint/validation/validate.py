@@ -11,7 +11,9 @@ On top of what loading alone catches, validation can run:
 - a strict dry-run load against the user's model factory (safepoint.harness): missing, unexpected
   and renamed keys, shape and dtype mismatches, optimizer state vs parameter groups, recorded step
   vs the catalog's step;
-- a norm-jump audit against the previous verified checkpoint of the run (`baseline`).
+- a norm-jump audit against the previous verified checkpoint of the run (`baseline`);
+- the consistency rules against it (safepoint.rules.consistency): a stale optimizer or stale weights,
+  a duplicate of an earlier step, step counters that tear (safepoint.validation.consistency).
 
 Every tensor has a role (safepoint.validation.roles: parameter, buffer, optimizer state, trainer metadata, RNG
 state, unknown); the rules table says per role whether NaN/Inf fail or are reported as warnings,
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -42,7 +45,8 @@ from typing import Any
 
 from safepoint.core.errors import FormatError
 from safepoint.core.format import CONTROL_FILES, TMP_PREFIX, safe_relpath
-from safepoint.validation.audit import Baseline, TensorStat, baseline_heads, norm_jumps, stat_of, tensor_stat
+from safepoint.validation.audit import Baseline, TensorStat, baseline_heads, norm_jumps, stat_keys, stat_of, tensor_stat
+from safepoint.validation.consistency import check_consistency, counters_of
 from safepoint.validation.harness import Found, Harness, TensorSpec, build_harness, check
 from safepoint.validation.layouts import PLAIN as PLAIN_LAYOUT
 from safepoint.validation.layouts import TRAINER_STATE, RecordedStep, detect_layout, is_step_leaf, step_mismatches
@@ -63,7 +67,7 @@ from safepoint.validation.loaders import (
 from safepoint.validation.loaders.dcp import DCP_SUFFIX, METADATA_NAME
 from safepoint.validation.loaders.kinds import JSON, PICKLE, UNKNOWN, bare_pickle_dangerous, file_kind, holds_tensors
 from safepoint.validation.loaders.torchsave import ZIP_MAGIC
-from safepoint.validation.roles import FAIL, OFF, WARN
+from safepoint.validation.roles import FAIL, OFF, WARN, Role
 from safepoint.validation.sandbox import note, run_limited
 from safepoint.validation.settings import FAIL as SETTING_FAIL
 from safepoint.validation.settings import ValidationSettings
@@ -198,6 +202,7 @@ class _Validator:
         self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
         self.layout = PLAIN_LAYOUT
         self.recorded: list[RecordedStep] = []  # steps the trainer wrote inside (safepoint.validation.layouts)
+        self._roles: dict[tuple[str, str], Role] | None = None  # stat_roles(), once every tensor was read
 
     def find(self, file: str, problem: Problem, message: str, tensor: str | None = None,
              role: str | None = None) -> None:
@@ -467,21 +472,47 @@ class _Validator:
         for issue in result.issues:
             self.flag(origin.get(issue.tensor or "", main), issue.problem, issue.message, issue.tensor)
 
+    def stat_roles(self) -> dict[tuple[str, str], Role]:
+        """The role of every tensor read, by (file, name): computed once for the audit and the consistency rules."""
+        if self._roles is None:
+            rules = self.settings.rules
+            self._roles = {(s.file, s.name): rules.role(s.file, s.name) for s in self.report.stats}
+        return self._roles
+
     def run_audit(self, baseline: Baseline) -> None:
         t = self.settings.thresholds
         rules = self.settings.rules
-        action = {(s.file, s.name): rules.rule(rules.role(s.file, s.name)).norm_jump for s in self.report.stats}
+        roles = self.stat_roles()
+        action = {key: rules.rule(role).norm_jump for key, role in roles.items()}
         jumps, compared = norm_jumps(self.report.stats, baseline, t,
                                      include=lambda s: action[(s.file, s.name)] != OFF)
         self.report.checks["audit"] = {"against": baseline.label, "compared": compared,
                                        "norm_jump_factor": t.norm_jump_factor, "flagged": len(jumps)}
         for j in jumps:
-            role = rules.role(j.file, j.name)
+            role = roles[(j.file, j.name)]
             message = j.message(baseline.label, t.norm_jump_factor or 0) + f" ({role})"
             if action[(j.file, j.name)] == WARN:
                 self.report.warnings.append(Finding(j.file, j.name, Problem.NORM_JUMP, message, str(role)))
             else:
                 self.flag(j.file, Problem.NORM_JUMP, message, j.name)
+
+    def run_consistency(self, baseline: Baseline | None, step: int | None) -> None:
+        """The consistency rules against the baseline; the counters are kept for the next checkpoint's."""
+        if step is None:
+            return
+        stats, roles = self.report.stats, self.stat_roles()
+        counters = counters_of(stats, self.values, self.recorded, roles, step)
+        self.report.checks["counters"] = counters.to_dict()
+        found = check_consistency(stats, counters, baseline, roles)
+        self.report.checks["consistency"] = {"against": baseline.label if baseline is not None else None,
+                                             "findings": [f.to_dict() for f in found]}
+        if not found:
+            return
+        files = dict(zip(stat_keys(stats), (s.file for s in stats)))
+        main = Counter(files.values()).most_common(1)[0][0] if files else "."  # for counters: the main file
+        for f in found:
+            tensor = f.tensors[0] if f.tensors and f.tensors[0] in files else None
+            self.flag(files.get(tensor or "", main), Problem(f.rule), f.message, tensor)
 
     def run_step_check(self, step: int | None) -> None:
         """The step the trainer recorded inside (trainer_state.json, Lightning, torchtitan) vs the catalog's."""
@@ -522,7 +553,7 @@ def validate_snapshot(
     path as their file.
     model: a factory spec `package.module:function` (or a built Harness) for the strict dry-run
     load; it overrides settings.model. step: the catalog's step, checked against the checkpoint's.
-    baseline: stats of the previous verified checkpoint, for the norm-jump audit.
+    baseline: stats of the previous verified checkpoint, for the norm-jump audit and the consistency rules.
     Raises HarnessError (a UsageError) when the model factory cannot be built.
     """
     settings = settings or ValidationSettings()
@@ -554,6 +585,8 @@ def validate_snapshot(
         v.run_harness(harness, step)
     if baseline is not None and not unreadable:
         v.run_audit(baseline)
+    if not unreadable:
+        v.run_consistency(baseline, step)
     if settings.check_step and not unreadable:
         v.run_step_check(step)
     return v.report
