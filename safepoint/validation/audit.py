@@ -133,7 +133,8 @@ def stat_of(name: str, src: TensorSource, *, file: str = "", chunk_elems: int = 
         return TensorStat(**base, norm=None, max_abs=None, nan_count=0, inf_count=0)
     acc, usable, value, digest = _Acc(), True, None, _Digest(full_digest)
     for piece in src.pieces(max(1, chunk_elems)):
-        digest.update(_bytes_of(piece))
+        if digest.wants_bytes:  # once the head is known and the rest is not asked for, no view is made
+            digest.update(_bytes_of(piece))
         if numel == 1 and not piece.is_complex():
             try:
                 value = float(piece[0])
@@ -166,29 +167,36 @@ class _Digest:
         self.head: str | None = None
         self.full: blake3.blake3 | None = None
 
+    @property
+    def wants_bytes(self) -> bool:
+        return self.head is None or self.full is not None
+
     def update(self, data: memoryview) -> None:
         if self.head is None:
             take = HEAD_BYTES - len(self.head_bytes)
-            self.head_bytes += data[:take]
-            if len(self.head_bytes) < HEAD_BYTES:
-                return
-            self._decide()
+            if not self.head_bytes and len(data) >= HEAD_BYTES:  # the usual case: one piece holds the head
+                self._decide(data[:HEAD_BYTES])
+            else:
+                self.head_bytes += data[:take]
+                if len(self.head_bytes) < HEAD_BYTES:
+                    return
+                self._decide(self.head_bytes)
             data = data[take:]
         if self.full is not None and len(data):
             self.full.update(data)
 
-    def _decide(self) -> None:
-        self.head = blake3.blake3(bytes(self.head_bytes)).hexdigest(DIGEST_HEX // 2)
+    def _decide(self, head: memoryview | bytearray) -> None:
+        self.head = blake3.blake3(head).hexdigest(DIGEST_HEX // 2)
         if self.policy is None or self.policy(self.head):
             # One thread: this runs in the sandbox child, forked from a caller whose blake3 (rayon) pool
             # may already exist; its threads are not in the child, and a job sent to them never returns.
             self.full = blake3.blake3()
-            self.full.update(self.head_bytes)
+            self.full.update(head)
         self.head_bytes = bytearray()
 
     def result(self) -> tuple[str, str | None]:
         if self.head is None:  # the whole tensor fits in the head: its digest is the head's
-            self.head = blake3.blake3(bytes(self.head_bytes)).hexdigest(DIGEST_HEX // 2)
+            self.head = blake3.blake3(self.head_bytes).hexdigest(DIGEST_HEX // 2)
             return self.head, self.head
         return self.head, self.full.hexdigest(DIGEST_HEX // 2) if self.full is not None else None
 
