@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -50,22 +51,31 @@ def trained_model_and_optimizer(seed: int = 0, steps: int = 2) -> tuple[nn.Modul
     return model, opt
 
 
+def seed_for(folder: Path, seed: int | None) -> int:
+    """`seed`, or one derived from the folder's last two names: checkpoints in different folders (steps)
+    hold different states, as training writes them. The same state under a later step is a finding of
+    its own (safepoint.rules.consistency: duplicate); a test that wants it passes the same `seed`."""
+    if seed is not None:
+        return seed
+    return zlib.crc32(f"{folder.parent.name}/{folder.name}".encode()) % 100_000
+
+
 def make_torch_save_ckpt(
     folder: str | os.PathLike,
     *,
     nan_in_optimizer: bool = False,
     inf_in_weight: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     name: str = "model.pt",
 ) -> Path:
     """torch.save({"model", "optimizer", "step"}) of a trained model; returns the file path.
 
     nan_in_optimizer puts 3 NaNs in optimizer.state[0]["exp_avg_sq"]; inf_in_weight puts one inf
-    in model["0.weight"].
+    in model["0.weight"]. `seed`: see seed_for.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model, opt = trained_model_and_optimizer(seed)
+    model, opt = trained_model_and_optimizer(seed_for(folder, seed))
     sd = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}
     if nan_in_optimizer:
         sd["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[:3] = float("nan")
@@ -76,13 +86,15 @@ def make_torch_save_ckpt(
     return path
 
 
-def make_safetensors_ckpt(folder: str | os.PathLike, *, seed: int = 0, name: str = "model.safetensors") -> Path:
-    """safetensors.torch.save_file of a trained model's state_dict (plus a bf16 tensor); returns the path."""
+def make_safetensors_ckpt(folder: str | os.PathLike, *, seed: int | None = None,
+                          name: str = "model.safetensors") -> Path:
+    """safetensors.torch.save_file of a trained model's state_dict (plus a bf16 tensor); returns the path.
+    `seed`: see seed_for."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model, _ = trained_model_and_optimizer(seed)
+    model, _ = trained_model_and_optimizer(seed_for(folder, seed))
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     tensors["extra.bf16"] = torch.linspace(-2, 2, 10).to(torch.bfloat16)
     path = folder / name
@@ -128,7 +140,7 @@ def _dcp_worker(rank: int, world_size: int, init_method: str, folder: str, seed:
         dist.destroy_process_group()
 
 
-def make_dcp_ckpt(folder: str | os.PathLike, world_size: int = 2, *, seed: int = 0) -> Path:
+def make_dcp_ckpt(folder: str | os.PathLike, world_size: int = 2, *, seed: int | None = None) -> Path:
     """Save a DCP checkpoint from `world_size` real ranks (gloo on CPU); returns the folder.
 
     The state holds the model state_dict and AdamW state_dict (replicated, deduplicated by DCP)
@@ -139,7 +151,8 @@ def make_dcp_ckpt(folder: str | os.PathLike, world_size: int = 2, *, seed: int =
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         init_method = f"file://{Path(tmp) / 'pg-init'}"
-        mp.spawn(_dcp_worker, args=(world_size, init_method, str(folder), seed), nprocs=world_size, join=True)
+        mp.spawn(_dcp_worker, args=(world_size, init_method, str(folder), seed_for(folder, seed)),
+                 nprocs=world_size, join=True)
     return folder
 
 

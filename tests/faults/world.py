@@ -56,7 +56,12 @@ def make_template(folder: Path, *, big_bytes: int = 768 * 1024, seed: int = 0) -
 
 
 def copy_template(template: Path, folder: Path) -> Path:
+    """The template's files, with model.pt trained anew for this folder: each step holds its own
+    state, as training writes them (the same state under a later step is a duplicate finding)."""
+    from tests.helpers_ckpt import make_torch_save_ckpt
+
     shutil.copytree(template, folder)
+    make_torch_save_ckpt(folder)
     return folder
 
 
