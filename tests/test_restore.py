@@ -328,7 +328,7 @@ def test_a_two_rank_dcp_checkpoint_restored_and_loaded_by_one_rank(tmp_path, s3_
 
     from tests.helpers_ckpt import dcp_sharded_reference, make_dcp_ckpt, trained_model_and_optimizer
 
-    folder = make_dcp_ckpt(tmp_path / "nvme" / "dcp" / "2", world_size=2)
+    folder = make_dcp_ckpt(tmp_path / "nvme" / "dcp" / "2", world_size=2, seed=0)
     commit(folder, "dcp", 2, world_size=2)
     assert ingest(folder, [s3_env.url()], sqlite_catalog, s3_config).state is CS.VERIFIED
     shutil.rmtree(tmp_path / "nvme")

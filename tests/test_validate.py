@@ -43,7 +43,7 @@ def _assert_jsonable(report: ValidationReport) -> None:
 # ---------------------------------------------------------------------------------------- torch.save
 
 def test_torch_save_model_and_optimizer_ok(tmp_path: Path) -> None:
-    make_torch_save_ckpt(tmp_path)
+    make_torch_save_ckpt(tmp_path, seed=0)  # compared with trained_model_and_optimizer() below
     (tmp_path / "config.json").write_text("{}")
     report = validate_snapshot(tmp_path)
     assert report.ok and report.outcome == "verified", report.summary()
@@ -127,7 +127,7 @@ def test_unsafe_listed_path_is_invalid(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- safetensors
 
 def test_safetensors_ok(tmp_path: Path) -> None:
-    make_safetensors_ckpt(tmp_path)
+    make_safetensors_ckpt(tmp_path, seed=0)  # compared with trained_model_and_optimizer() below
     report = validate_snapshot(tmp_path)
     assert report.ok, report.summary()
     stats = _stats(report)
@@ -200,7 +200,7 @@ def test_safetensors_nan(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_dcp_ckpt(tmp_path_factory.mktemp("dcp") / "ckpt", world_size=2)
+    return make_dcp_ckpt(tmp_path_factory.mktemp("dcp") / "ckpt", world_size=2, seed=0)
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -34,7 +34,7 @@ def two_checkpoints(tmp_path: Path, sqlite_catalog_url: str, monkeypatch: pytest
     durable = (tmp_path / "durable").as_uri()
     for step in (1, 2):
         folder = tmp_path / "nvme" / str(step)
-        path = make_torch_save_ckpt(folder, nan_in_optimizer=step == 2)
+        path = make_torch_save_ckpt(folder, nan_in_optimizer=step == 2, seed=0)  # one model, planted changes
         if step == 2:
             sd = torch.load(path, weights_only=True)
             sd["model"]["0.bias"] *= 100
