@@ -146,6 +146,11 @@ def worker(scenario: str, tmp: str) -> int:
                 Path(tmp) / "nvme" / "run-mr-dcp" / "10", run="run-mr-dcp"))
     finally:
         print(json.dumps(result), flush=True)
+    if scenario == "both":
+        # Both ranks are alive: leave together. A rank that tears gloo down while its peer is still
+        # in a collective can abort in C++ ("terminate called without an active exception"), which
+        # CI saw once on rank 0 (the TCPStore host) after all the work had succeeded.
+        dist.barrier()
     dist.destroy_process_group()
     return 0
 
