@@ -31,6 +31,34 @@ def _revision(engine) -> str | None:
 def test_single_head():
     script = ScriptDirectory.from_config(db.alembic_config())
     assert script.get_heads() == [HEAD]
+    assert db.HEAD_REVISION == HEAD  # ensure_schema skips Alembic for catalogs at this revision
+
+
+def test_a_catalog_at_head_is_opened_without_alembic(catalog_url, tmp_path):
+    """The start-up shortcut: at HEAD_REVISION, ensure_schema neither imports Alembic nor migrates;
+    below it (here: one revision down), it migrates as before."""
+    import subprocess
+    import sys
+
+    eng = db.make_engine(catalog_url)
+    try:
+        assert not db.at_head(eng)  # no alembic_version table yet
+        db.upgrade(eng)
+        assert db.at_head(eng)
+        db.downgrade(eng, "0002_declared_parent")
+        assert not db.at_head(eng)
+    finally:
+        eng.dispose()
+    code = ("import sys; from safepoint.catalog import db; db.ensure_schema(sys.argv[1]); "
+            "print('alembic' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", code, catalog_url], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["True"], ["False"]]  # migrated once, then skipped
+    eng = db.make_engine(catalog_url)
+    try:
+        assert _revision(eng) == HEAD
+    finally:
+        eng.dispose()
 
 
 def test_upgrade_downgrade_upgrade(catalog_url):
