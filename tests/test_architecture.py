@@ -181,6 +181,17 @@ def test_import_safepoint_and_catalog_pulls_in_neither_prefect_nor_torch():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_the_ingest_flow_imports_no_torch():
+    """Torch is the readers' (the sandboxed child's): the process that runs the ingest flow, judges and
+    records never imports it, so the CLI's fork server can import it in parallel (safepoint.validation.sandbox)."""
+    code = ("import sys, safepoint.flows.ingest, safepoint.ops.validation, safepoint.validation.validate\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
+            "print(heavy[:5]); sys.exit(1 if heavy else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 @pytest.mark.slow
 def test_pip_install_puts_only_safepoint_in_site_packages(tmp_path):
     target = tmp_path / "site"

@@ -138,3 +138,53 @@ def test_validation_past_its_limit_is_invalid_with_the_reason(tmp_path):
     assert f.file == "model.pt" and f.problem.value in ("limit", "unloadable")
     assert "memory" in f.message or "allocate" in f.message
     assert validate_snapshot(tmp_path, ["model.pt"]).outcome == "verified"   # the defaults give it room
+
+
+# ------------------------------------------------------------------------------------------ the CLI's path
+
+def test_work_named_by_its_path_runs_in_the_child():
+    out = run_limited("tests.test_sandbox:add", (2, 3), FAST)
+    assert out.ok and out.value == {"sum": 5, "nested": [1.5, None, "x"]}
+
+
+def test_prestart_is_a_no_op_where_torch_is_loaded():
+    """Here (pytest imported torch) forking from the caller is the cheaper path: nothing is started."""
+    import torch  # noqa: F401
+
+    from safepoint.validation.sandbox import prestart, start_method
+
+    assert prestart(SandboxLimits()) is False
+    assert start_method(SandboxLimits()) == "fork"
+
+
+def test_a_process_without_torch_validates_through_the_prestarted_fork_server(tmp_path):
+    """The CLI's path: prestart() before anything imports torch. The readers (and torch) load in the fork
+    server, the caller never imports torch, and the verdicts are the same: a NaN is still caught."""
+    import json
+    import textwrap
+
+    import torch
+
+    folders = []
+    for name, value in (("good", 1.0), ("bad", float("nan"))):
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save({"model": {"w": torch.full((4, 4), value)}, "step": 3}, folder / "model.pt")
+        folders.append(str(folder))
+    code = textwrap.dedent("""
+        import json, sys
+        from safepoint.validation.sandbox import SandboxLimits, prestart, start_method
+        from safepoint.validation.validate import validate_snapshot
+        started = prestart(SandboxLimits())
+        reports = [validate_snapshot(p) for p in sys.argv[1:]]
+        print(json.dumps({"started": started, "method": start_method(SandboxLimits()),
+                          "torch_here": "torch" in sys.modules, "outcomes": [r.outcome for r in reports],
+                          "stats": [[s.name for s in r.stats] for r in reports],
+                          "problems": [[f.problem.value for f in r.findings] for r in reports]}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == {
+        "started": True, "method": "forkserver", "torch_here": False, "outcomes": ["verified", "invalid"],
+        "stats": [["model.w"], ["model.w"]], "problems": [[], ["nan"]]}

@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_ingest, prefect=True)
+    s.set_defaults(fn=cmd_ingest, prefect=True, validates=True)
 
     s = sub.add_parser("watch", help="ingest committed snapshots that appear under ROOT")
     s.add_argument("root")
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model")
     s.add_argument("--once", action="store_true", help="one pass, then exit")
     s.add_argument("--interval", type=float, default=5.0)
-    s.set_defaults(fn=watch_here, prefect=True)
+    s.set_defaults(fn=watch_here, prefect=True, validates=True)
 
     s = sub.add_parser("ls", help="list checkpoints")
     s.add_argument("--run")
@@ -349,11 +349,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
 
 
+def _prestart_sandbox() -> None:
+    """Start the validation sandbox's fork server (safepoint.validation.sandbox.prestart): it imports
+    the readers and torch on another core while this process imports Prefect and opens the catalog."""
+    from safepoint.core.config import load_config
+    from safepoint.validation.sandbox import prestart
+    from safepoint.validation.settings import ValidationSettings
+
+    prestart(ValidationSettings.from_config(load_config()).sandbox)
+
+
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "validates", False):  # first: the sandbox's fork server imports torch while Prefect loads
+        _prestart_sandbox()
     if getattr(args, "prefect", False):  # commands that run flows or talk to Prefect's API
         ensure_api(on_start=lambda text: err.print(text))
     return args.fn(args)

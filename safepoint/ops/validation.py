@@ -13,9 +13,8 @@ from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, load_config
 from safepoint.core.states import CheckpointState as CS
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.validation.audit import baseline_from_catalog, stat_rows
-from safepoint.validation.harness import build_harness
 from safepoint.validation.settings import ValidationSettings
+from safepoint.validation.stats import baseline_from_catalog, stat_rows
 from safepoint.validation.validate import validate_snapshot
 
 
@@ -35,7 +34,11 @@ def validate_checkpoint(
 
     m = snap.manifest
     settings = ValidationSettings.from_config(config or load_config(), m.run, model=model)
-    harness = build_harness(settings.model, settings.device) if settings.model else None
+    harness = None
+    if settings.model:  # built here, before the state changes: a factory that cannot be built is a usage error
+        from safepoint.validation.harness import build_harness  # imports torch: only with a model factory
+
+        harness = build_harness(settings.model, settings.device)
     if not catalog.transition(checkpoint_id, CS.VALIDATING, expect={CS.REPLICATED, CS.VERIFIED}):
         return catalog.get_by_id(checkpoint_id).state
     started = datetime.now(timezone.utc)

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from safepoint.rules.consistency import ConsistencyFinding, Counters, consistency_findings, is_step_counter
-from safepoint.validation.audit import Baseline, TensorStat, stat_keys
 from safepoint.validation.layouts import RecordedStep
 from safepoint.validation.roles import Role
+from safepoint.validation.stats import Baseline, TensorStat, stat_keys
 
 __all__ = ["check_consistency", "counters_of"]
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from safepoint.core.errors import UsageError
-from safepoint.validation.loaders.base import Problem, one_line
+from safepoint.validation.problems import Problem, one_line
 
 __all__ = [
     "DEFAULT_MODEL_KEYS", "DEFAULT_OPTIMIZER_KEYS", "DEFAULT_STEP_KEYS", "Found", "Harness", "HarnessError", "Issue",

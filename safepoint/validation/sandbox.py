@@ -14,18 +14,25 @@ data (JSON: a compromised child cannot send back anything that runs), or the lim
 - CPU: `RLIMIT_CPU` = `cpu_seconds` + `cpu_seconds_per_gib` per GiB of input (SIGXCPU, then SIGKILL);
 - wall clock: `wall_seconds` + `wall_seconds_per_gib` per GiB; past it the child is killed.
 
-Children are forked straight from the caller (`sandbox_start_method = "auto"`): the fork costs
-milliseconds where a fresh interpreter, or a fork server per process, would import torch again
-(seconds, in every CLI run and fault-test process). CPython re-creates its import and logging locks
-in a forked child, and the child turns logging off, so a lock another thread of the caller held
-(Prefect's log and event workers) is never waited for; the wall clock stays the backstop. A caller
-whose main module a fork server cannot re-import (`python -`) is never given one. "forkserver",
-"fork" and "spawn" can be chosen explicitly.
+The work is named by its dotted path (`"package.module:function"`), so the caller need not import
+what the child runs (the readers import torch). Where the children come from
+(`sandbox_start_method = "auto"`):
+- after `prestart()` (the CLI calls it first thing, before Prefect): from a fork server that imports
+  the readers (`preload`) on another core while the caller imports Prefect and opens the catalog,
+  so torch's import (seconds) is off the critical path of a small ingest;
+- otherwise straight from the caller, which imports the work's module first, once, so every child
+  inherits it (milliseconds per child, where a fresh interpreter or a fork server per process would
+  import torch again). CPython re-creates its import and logging locks in a forked child, and the
+  child turns logging off, so a lock another thread of the caller held (Prefect's log and event
+  workers) is never waited for; the wall clock stays the backstop.
+A caller whose main module a fork server cannot re-import (`python -`) is never given one.
+"forkserver", "fork" and "spawn" can be chosen explicitly.
 `note(text)` lets the child say what it is working on, so a limit names the file it stopped in.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import multiprocessing
@@ -61,8 +68,8 @@ class SandboxLimits:
     cpu_seconds_per_gib: int = 60        # reading and auditing take about 1 CPU-second per GiB
     wall_seconds: int = 600
     wall_seconds_per_gib: int = 120      # i.e. slower than ~8 MiB/s is a stuck read, not a slow disk
-    start_method: str = "auto"          # fork when the caller is single-threaded, else the fork server
-    preload: tuple[str, ...] = ("safepoint.validation.validate",)
+    start_method: str = "auto"          # the fork server after prestart(), else fork from the caller
+    preload: tuple[str, ...] = ("safepoint.validation.reading",)
 
     def cpu_limit(self, nbytes: int) -> int:
         return self.cpu_seconds + -(-self.cpu_seconds_per_gib * nbytes // GiB)
@@ -139,7 +146,17 @@ def _vm(field: str) -> int:
     return 0
 
 
-def _child(conn: Any, fn: Callable[..., Any], args: tuple, memory: int, cpu: int) -> None:
+Work = Callable[..., Any] | str  # a module-level function, or its "package.module:function" path
+
+
+def _resolve(work: Work) -> Callable[..., Any]:
+    if callable(work):
+        return work
+    module, _, name = work.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _child(conn: Any, work: Work, args: tuple, memory: int, cpu: int) -> None:
     global _note_conn
     _note_conn = conn
     logging.disable(logging.CRITICAL)  # no handler (and no lock a parent thread held at fork) is ever used here
@@ -151,7 +168,7 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple, memory: int, cpu: int
         resource.setrlimit(resource.RLIMIT_AS, (base + memory, base + memory))
     t0 = time.monotonic()
     try:
-        value = fn(*args)
+        value = _resolve(work)(*args)
         msg: dict[str, Any] = {"value": value}
     except MemoryError:
         value = None
@@ -175,6 +192,7 @@ class SandboxUnavailable(SafepointError):
 
 _contexts: dict[str, Any] = {}
 _lock = threading.Lock()
+_prestarted = False
 
 
 def _main_importable() -> bool:
@@ -186,7 +204,27 @@ def _main_importable() -> bool:
 def start_method(limits: SandboxLimits) -> str:
     if limits.start_method != "auto":
         return limits.start_method
+    if _prestarted:
+        return "forkserver"
     return "fork" if sys.platform == "linux" or not _main_importable() else "forkserver"
+
+
+def prestart(limits: SandboxLimits) -> bool:
+    """Start the fork server now, so it imports `limits.preload` (the readers, torch) in parallel with
+    whatever this process does next; later sandboxed work forks from it. For a process that has not
+    imported torch (the CLI, before Prefect): where torch is already loaded, forking from the caller
+    is cheaper. False (nothing started) then, with the sandbox off, or with another start method."""
+    global _prestarted
+    if not limits.enabled or limits.start_method not in ("auto", "forkserver") or "torch" in sys.modules \
+            or not _main_importable() or "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    from multiprocessing import forkserver
+
+    with _lock:
+        _prestarted = True
+    _context(replace(limits, start_method="forkserver"))
+    forkserver.ensure_running()
+    return True
 
 
 def _context(limits: SandboxLimits) -> Any:
@@ -212,14 +250,17 @@ def _rss_anon(pid: int) -> int:
     return 0
 
 
-def run_limited(fn: Callable[..., Any], args: tuple, limits: SandboxLimits, *, input_bytes: int = 0,
+def run_limited(work: Work, args: tuple, limits: SandboxLimits, *, input_bytes: int = 0,
                 mapped_bytes: int = 0) -> Outcome:
-    """Run `fn(*args)` (a module-level function returning JSON-able data) in a limited child process."""
+    """Run `work(*args)` (a module-level function returning JSON-able data, or its dotted path) in a
+    limited child process."""
     memory = limits.memory_bytes + mapped_bytes
     cpu, wall = limits.cpu_limit(input_bytes), limits.wall_limit(input_bytes)
     ctx = _context(limits)
+    if start_method(limits) == "fork":
+        _resolve(work)  # imported here, once: every forked child inherits it
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(send, fn, args, memory, cpu))   # joined or killed below, always
+    p = ctx.Process(target=_child, args=(send, work, args, memory, cpu))   # joined or killed below, always
     p.start()
     send.close()
     deadline = time.monotonic() + wall
@@ -300,4 +341,5 @@ def _exit_text(code: int | None) -> str:
     return f"exit status {code}"
 
 
-__all__ = ["SANDBOX_KEYS", "Outcome", "SandboxLimits", "note", "run_limited", "sandbox_limits_from"]
+__all__ = ["SANDBOX_KEYS", "Outcome", "SandboxLimits", "Work", "note", "prestart", "run_limited",
+           "sandbox_limits_from"]

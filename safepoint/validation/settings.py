@@ -46,10 +46,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from safepoint.core.errors import UsageError
-from safepoint.validation.audit import Thresholds
-from safepoint.validation.loaders.base import Limits, Problem
+from safepoint.validation.problems import Limits, Problem
 from safepoint.validation.roles import Rules
 from safepoint.validation.sandbox import SANDBOX_KEYS, SandboxLimits, sandbox_limits_from
+from safepoint.validation.stats import Thresholds
 
 # Problems that can never be downgraded to warnings: unreadable or unsafe bytes.
 ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING, Problem.LIMIT})

@@ -30,9 +30,9 @@ from safepoint.validation.loaders.base import (
     one_line,
 )
 from safepoint.validation.loaders.mapped import MappedFile
+from safepoint.validation.problems import ZIP_MAGIC
 
 TORCH_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar"})
-ZIP_MAGIC = b"PK\x03\x04"
 # The legacy (pre-1.6) format starts with pickle protocol 2 and LONG1 of torch's magic number.
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 # Weights-only refusals that mean "this pickle wants to call or build something not allowed".
