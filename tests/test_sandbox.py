@@ -57,8 +57,9 @@ def test_value_comes_back_as_plain_data(method):
     assert out.usage["peak_rss_bytes"] > 0
 
 
-def test_memory_limit():
-    out = run_limited(allocate, (1 << 30,), FAST)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])   # forkserver: the CLI's (after prestart)
+def test_memory_limit(method):
+    out = run_limited(allocate, (1 << 30,), replace(FAST, start_method=method))
     assert out.limit == "validation exceeded 64 MiB of memory" and out.last_note == "allocating"
 
 
@@ -79,9 +80,10 @@ def test_address_space_for_mapped_files_comes_on_top(tmp_path):
         "validation exceeded 64 MiB of memory"
 
 
-def test_cpu_limit():
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_cpu_limit(method):
     t0 = time.monotonic()
-    out = run_limited(spin, (), replace(FAST, cpu_seconds=2, wall_seconds=120))
+    out = run_limited(spin, (), replace(FAST, cpu_seconds=2, wall_seconds=120, start_method=method))
     assert out.limit == "validation exceeded 2 s of CPU time" and out.last_note == "spinning"
     assert time.monotonic() - t0 < 120
 
@@ -93,10 +95,12 @@ def test_wall_clock():
     assert time.monotonic() - t0 < 30
 
 
-def test_crash_and_exception_are_errors_not_values():
-    out = run_limited(crash, (), FAST)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_crash_and_exception_are_errors_not_values(method):
+    limits = replace(FAST, start_method=method)
+    out = run_limited(crash, (), limits)
     assert not out.ok and out.limit is None and "SIGSEGV" in out.error
-    out = run_limited(fail, (), FAST)
+    out = run_limited(fail, (), limits)
     assert out.error == "RuntimeError: boom"
 
 
