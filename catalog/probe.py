@@ -9,7 +9,6 @@ SQLite, schema differs, database locked) answers None and the caller opens the c
 from __future__ import annotations
 
 import os
-import sqlite3
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -33,6 +32,8 @@ def knows_local(url: str | None, local_path: str, replica_urls: list[str]) -> bo
         return None
     if not db.exists():
         return False
+    import sqlite3  # here: a folder verified on a machine with no catalog yet never loads it
+
     path = os.path.normpath(local_path)
     urls = sorted({u.rstrip("/") for u in replica_urls} | {u.rstrip("/") + "/" for u in replica_urls})
     try:

@@ -203,3 +203,37 @@ def test_pip_install_puts_only_safepoint_in_site_packages(tmp_path):
     assert (target / "safepoint" / "catalog" / "store.py").is_file()
     assert (target / "safepoint" / "migrations" / "versions" / "0001_initial.py").is_file()
     assert (target / "safepoint" / "migrations" / "script.py.mako").is_file()
+
+
+#: what `safepoint verify` of a local folder must not load: the catalog proper, the Prefect edge, torch,
+#: and rich (a plain line to a pipe needs none of it), so it starts about as fast as `b3sum` (bench/verify_start.py)
+VERIFY_MUST_NOT_LOAD = ("sqlalchemy", "alembic", "prefect", "torch", "rich")
+
+
+@pytest.mark.parametrize("catalog", ["none yet", "does not know the folder"])
+def test_verify_of_an_unknown_local_folder_loads_no_heavy_module(catalog, tmp_path):
+    from safepoint.local.commit import commit
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(b"x" * 4096)
+    commit(folder, "r", 1)
+    home = tmp_path / "home"
+    home.mkdir()
+    if catalog != "none yet":
+        from safepoint.catalog import db
+        from safepoint.catalog.store import open_catalog
+
+        url = f"sqlite:///{home / 'catalog.db'}"
+        open_catalog(url)  # migrated, empty
+        db.dispose(url)
+    code = ("import sys\nfrom safepoint.cli.main import main\n"
+            f"rc = main(['verify', {str(folder)!r}])\n"
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {VERIFY_MUST_NOT_LOAD!r})\n"
+            "print(heavy[:5], 'rich.progress' in sys.modules); sys.exit(rc or (3 if heavy else 0))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SAFEPOINT_CATALOG_URL", "SAFEPOINT_CONFIG", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**env, "PYTHONPATH": str(REPO), "SAFEPOINT_HOME": str(home)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"{folder}: verified: 1 files verified (4096 bytes)\n"), r.stdout

@@ -154,13 +154,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    s = sub.add_parser("lineage", help="the chain of checkpoints RUN STEP resumed or forked from")
+    s = sub.add_parser("lineage")
     s.add_argument("run")
     s.add_argument("step", type=int)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_lineage)
 
-    s = sub.add_parser("risk", help="corruption risk of a run's checkpoints vs what scrubs found")
+    s = sub.add_parser("risk")
     s.add_argument("--run", required=True)
     s.add_argument("--ber", type=float, default=1e-15, help="bit error rate ε, per bit (default 1e-15)")
     s.add_argument("--target", type=float, default=0.01,
@@ -170,26 +170,26 @@ def register(sub: Any) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_risk)
 
-    s = sub.add_parser("pin", help="pin a checkpoint: retention never deletes it")
+    s = sub.add_parser("pin")
     s.add_argument("run")
     s.add_argument("step", type=int)
     s.add_argument("--off", action="store_true", help="unpin")
     s.set_defaults(fn=cmd_pin)
 
-    s = sub.add_parser("tag", help="add (or --remove) tags on a checkpoint")
+    s = sub.add_parser("tag")
     s.add_argument("run")
     s.add_argument("step", type=int)
     s.add_argument("tags", nargs="+")
     s.add_argument("--remove", action="store_true")
     s.set_defaults(fn=cmd_tag)
 
-    s = sub.add_parser("metric", help="record metrics on a checkpoint (for --keep-best)")
+    s = sub.add_parser("metric")
     s.add_argument("run")
     s.add_argument("step", type=int)
     s.add_argument("values", nargs="+", metavar="NAME=VALUE")
     s.set_defaults(fn=cmd_metric)
 
-    s = sub.add_parser("evict", help="free node-local space: delete local copies that have a verified replica")
+    s = sub.add_parser("evict")
     s.add_argument("root", help="the node-local checkpoint root (e.g. /nvme/ckpt)")
     s.add_argument("--high-water", type=float, default=0.85, help="evict when the fill passes this (0-1)")
     s.add_argument("--low-water", type=float, help="evict down to this fill (default high water - 0.10)")

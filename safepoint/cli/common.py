@@ -7,18 +7,20 @@ never each other's internals, so the CLI has no import loop.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-
+from safepoint.cli.console import LazyConsole
 from safepoint.core.errors import UsageError
 from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 
+if TYPE_CHECKING:
+    from datetime import datetime
+
 __all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_ingest_flow", "watch_here"]
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = LazyConsole()  # rich's Console, imported only when a command's output needs it
+err = LazyConsole(stderr=True)
 
 
 def _catalog(args):
@@ -30,6 +32,8 @@ def _catalog(args):
 
 def parse_time(text: str, now: datetime | None = None) -> datetime:
     """ISO 8601 (naive means UTC), or a duration meaning that long ago ('2h', '3d')."""
+    from datetime import datetime, timezone
+
     from safepoint.rules.retention import parse_duration
 
     now = now or datetime.now(timezone.utc)

@@ -115,7 +115,7 @@ def cmd_parts(args) -> int:
 
 
 def register(sub) -> None:
-    s = sub.add_parser("serve", help="run the ingest (event-triggered), scrub and completeness deployments here")
+    s = sub.add_parser("serve")
     s.add_argument("--to", action="append", default=[], help="default destination URL(s) of the ingest deployment")
     s.add_argument("--node", help="only ingest markers from this node (deployment names get '-NODE')")
     s.add_argument("--name", default="ingest", help="ingest deployment name (default: ingest)")
@@ -148,10 +148,10 @@ def register(sub) -> None:
                        help="seconds between multi-node timeout checks (cheap catalog queries)")
         w.set_defaults(fn=cmd_watch, prefect=True)
 
-    s = sub.add_parser("metrics", help="print Safepoint's Prometheus metrics once")
+    s = sub.add_parser("metrics")
     s.set_defaults(fn=cmd_metrics)
 
-    s = sub.add_parser("parts", help="completeness of multi-node checkpoints")
+    s = sub.add_parser("parts")
     s.add_argument("--run")
     s.add_argument("--apply", action="store_true", help="apply timeouts now (mark lost sets incomplete)")
     s.add_argument("--timeout", type=float, help="override [multinode] timeout_s")

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import TextIO
 
 from safepoint.core.errors import SafepointError
-from safepoint.core.redact import redact
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
@@ -27,6 +26,8 @@ def one_line(exc: BaseException) -> str:
     Safepoint's own errors are phrased for the user and printed as they are; anything else is
     prefixed with its type, because `ConnectionRefusedError: [Errno 111]` says more than the bare text.
     """
+    from safepoint.core.redact import redact  # its patterns compile in ~1 ms: paid only on an error
+
     text = redact(str(exc)) or ""
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if not isinstance(exc, SafepointError):

@@ -7,10 +7,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from rich.table import Table
 
 from safepoint.cli.common import (
     EXIT_BAD,
@@ -26,19 +24,15 @@ from safepoint.cli.common import (
 )
 from safepoint.cli.guard import guarded
 from safepoint.cli.quiet import quiet_prefect
+from safepoint.cli.registry import add_commands
 from safepoint.core.errors import SafepointError, UsageError
-from safepoint.flows.local_server import ensure_api
 
-# Modules that add subcommands (see build_parser); absent ones are skipped.
-EXTENSIONS = (
-    "safepoint.cli.catalog_cmds",    # lineage, risk, retention policies
-    "safepoint.cli.validation_cmds", # show
-    "safepoint.cli.events_cmds",     # serve, watch --emit
-    "safepoint.cli.repair_cmds",     # reconcile, scrub
-    "safepoint.cli.server_cmds",     # server start|stop|status
-    "safepoint.cli.restore_cmds",    # restore
-)
 
+def ensure_api(on_start: Callable[[str], None] | None = None) -> str:
+    """Prefect's API for commands that run flows; the server module (sockets, subprocess) loads only for them."""
+    from safepoint.flows.local_server import ensure_api as ensure
+
+    return ensure(on_start=on_start)
 
 def _parent(text: str | None) -> tuple[str, int] | None:
     if not text:
@@ -106,6 +100,8 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
+    from rich.table import Table
+
     table = Table("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
     for r in rows:
         reps = "\n".join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
@@ -256,12 +252,17 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command in the registry; a command's module is imported once it is chosen."""
     p = argparse.ArgumentParser(prog="safepoint", description=__doc__)
     p.add_argument("--catalog", help="catalog URL (default: $SAFEPOINT_CATALOG_URL or $SAFEPOINT_HOME/catalog.db)")
     p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="command", required=True)
+    add_commands(p)
+    return p
 
-    s = sub.add_parser("commit", help="seal a folder written by any tool")
+
+def register(sub) -> None:
+    """The core commands (their help is in cli/registry.py)."""
+    s = sub.add_parser("commit")
     s.add_argument("dir")
     s.add_argument("--run", required=True)
     s.add_argument("--step", type=int, required=True)
@@ -271,14 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node", help="host name for multi-node checkpoints")
     s.set_defaults(fn=cmd_commit)
 
-    s = sub.add_parser("ingest", help="replicate, verify, validate and catalog one committed snapshot")
+    s = sub.add_parser("ingest")
     s.add_argument("dir")
     s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_ingest, prefect=True, validates=True)
 
-    s = sub.add_parser("watch", help="ingest committed snapshots that appear under ROOT")
+    s = sub.add_parser("watch")
     s.add_argument("root")
     s.add_argument("--to", action="append", required=True)
     s.add_argument("--model")
@@ -286,12 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=5.0)
     s.set_defaults(fn=watch_here, prefect=True, validates=True)
 
-    s = sub.add_parser("ls", help="list checkpoints")
+    s = sub.add_parser("ls")
     s.add_argument("--run")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_ls)
 
-    s = sub.add_parser("resume-point", help="the checkpoint to resume from")
+    s = sub.add_parser("resume-point")
     s.add_argument("--run", required=True)
     s.add_argument("--min-replicas", type=int, default=1, help="verified durable replicas required (default 1)")
     s.add_argument("--max-step", type=int, help="only checkpoints at or below this step")
@@ -301,17 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="JSON with the URL of every verified replica")
     s.set_defaults(fn=cmd_resume_point)
 
-    s = sub.add_parser("verify", help="re-hash a replica or local snapshot against its manifest")
+    s = sub.add_parser("verify")
     s.add_argument("url")
     s.set_defaults(fn=cmd_verify)
 
-    s = sub.add_parser("validate", help="dry-run load validation of a snapshot folder")
+    s = sub.add_parser("validate")
     s.add_argument("url")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.set_defaults(fn=cmd_validate)
 
-    s = sub.add_parser("prune", help="apply retention (invariants: the newest verified and at least two "
-                       "verified are kept; nothing goes while a newer checkpoint is pending)")
+    s = sub.add_parser("prune")
     s.add_argument("--run", action="append", help="run to prune (repeatable)")
     s.add_argument("--all-runs", action="store_true")
     s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest verified")
@@ -324,22 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_prune)
 
-    s = sub.add_parser("demo", help="train a tiny model, checkpoint it, corrupt one, run the pipeline")
+    s = sub.add_parser("demo")
     s.add_argument("--dir", help="work folder (default: a new temporary folder)")
     s.set_defaults(fn=cmd_demo, prefect=True)
-
-    # Command groups that live in their own modules: each has `register(subparsers)`.
-    import importlib
-
-    for name in EXTENSIONS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        module.register(sub)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,8 +89,7 @@ def cmd_scrub(args) -> int:
 
 
 def register(subparsers) -> None:
-    s = subparsers.add_parser("reconcile", help="repair the catalog from what the destinations hold; remove orphans "
-                              "older than the grace period")
+    s = subparsers.add_parser("reconcile")
     s.add_argument("--to", action="append", metavar="URL",
                    help="destination base URL (repeatable; default: every destination the catalog knows)")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
@@ -104,7 +103,7 @@ def register(subparsers) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_reconcile)
 
-    s = subparsers.add_parser("scrub", help="re-verify a rotating slice of every verified replica; repair rot")
+    s = subparsers.add_parser("scrub")
     s.add_argument("--subset", default="16", help="'n': rotate through n slices (default 16); 'i/n': slice i")
     s.add_argument("--run", help="only this run")
     s.add_argument("--no-repair", action="store_true", help="only detect and record; do not re-replicate")

@@ -53,7 +53,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("restore", help="restore the resume point (or --step) into DIR, every byte verified")
+    s = sub.add_parser("restore")
     s.add_argument("--run", required=True)
     s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
     s.add_argument("--step", type=int, help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")

@@ -40,6 +40,6 @@ def cmd_server(args) -> int:
 
 
 def register(sub) -> None:
-    s = sub.add_parser("server", help="the local Prefect server used when PREFECT_API_URL is unset")
+    s = sub.add_parser("server")
     s.add_argument("action", choices=["start", "stop", "status"])
     s.set_defaults(fn=cmd_server)

@@ -19,7 +19,7 @@ from safepoint.validation.report import consistency_line, finding_rows, tensor_r
 
 
 def register(subparsers: Any) -> None:
-    s = subparsers.add_parser("show", help="the validation report of one checkpoint (each failure: tensor and why)")
+    s = subparsers.add_parser("show")
     s.add_argument("run")
     s.add_argument("step", type=int)
     s.add_argument("--tensors", type=int, default=0, metavar="N",

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from safepoint.core.errors import UsageError
 
 
@@ -61,6 +59,8 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     path = Path(path or os.environ.get("SAFEPOINT_CONFIG") or home() / "config.toml")
     doc: dict[str, Any] = {}
     if path.is_file():
+        import tomllib  # only when there is a file: every command loads the config, most have none
+
         try:
             doc = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

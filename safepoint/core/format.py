@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 import blake3
@@ -28,6 +27,8 @@ def digest_bytes(data: bytes) -> str:
 
 
 def utcnow_iso() -> str:
+    from datetime import datetime, timezone  # only when writing: reading a snapshot never needs it
+
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 

@@ -2,23 +2,18 @@
 
 Library code reports bytes through `hook()` (None when nobody watches, which is the normal case in
 flows run by a server); the CLI installs a bar around a long call with `bar(...)`. The hook is
-process-wide because Prefect runs tasks in worker threads; rich's Progress is thread-safe.
+process-wide because Prefect runs tasks in worker threads; rich's Progress is thread-safe. rich is
+imported only when a bar is shown, so a disabled bar (not a terminal) costs nothing at start-up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
 
 Hook = Callable[[int], None]
 _hook: Hook | None = None
@@ -30,13 +25,20 @@ def hook() -> Hook | None:
 
 
 @contextmanager
-def bar(description: str, total_bytes: int | None, console: Console | None = None, *,
+def bar(description: str, total_bytes: int | None, console: Console | Any | None = None, *,
         enabled: bool = True) -> Iterator[Hook]:
-    """Show a transfer bar for the block and route `hook()` to it; a no-op bar when disabled."""
+    """Show a transfer bar for the block and route `hook()` to it; a no-op bar when disabled.
+
+    `console` is a rich Console, or a stand-in that makes one on demand as its `rich` attribute (the
+    CLI's consoles, which import rich only when output needs it).
+    """
     global _hook
     if not enabled:
         yield lambda n: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    console = getattr(console, "rich", console)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as p:

@@ -1,0 +1,70 @@
+"""The CLI's two consoles (stdout, stderr): rich, but only imported when the output needs it.
+
+Importing rich costs about as much as `safepoint verify` may spend beyond hashing, and most runs
+print a line or two to a pipe or a log. A plain line to a non-terminal is exactly its text (markup,
+emoji codes, control characters, tabs and terminals go to rich), so it is written directly; anything
+else (tables, JSON, markup, a terminal, a progress bar) makes the rich Console on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+#: what rich would change in a str: markup tags and `:emoji:` codes (non-printables are checked apart)
+_RICH_SYNTAX = re.compile(r"\[|:\S*:")
+#: environment variables that make rich treat a pipe as a terminal (or otherwise change its output)
+_RICH_ENV = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+
+
+class LazyConsole:
+    """A stand-in for `rich.console.Console(stderr=..., highlight=False, soft_wrap=True)`."""
+
+    def __init__(self, *, stderr: bool = False) -> None:
+        self.stderr = stderr
+        self._rich: Console | None = None
+
+    @property
+    def rich(self) -> Console:
+        """The rich Console itself, made on first use."""
+        if self._rich is None:
+            from rich.console import Console
+
+            self._rich = Console(stderr=self.stderr, highlight=False, soft_wrap=True)
+        return self._rich
+
+    @property
+    def file(self) -> TextIO:
+        return sys.stderr if self.stderr else sys.stdout  # looked up per call, as rich does (pytest swaps them)
+
+    def _plain_target(self) -> bool:
+        """Output rich would leave undecorated: not a terminal, no environment override, no notebook."""
+        if self._rich is not None or any(k in os.environ for k in _RICH_ENV) or "IPython" in sys.modules:
+            return False
+        isatty = getattr(self.file, "isatty", None)
+        try:
+            return isatty is not None and not isatty()
+        except ValueError:  # a closed file: rich calls that no terminal either
+            return True
+
+    @property
+    def is_terminal(self) -> bool:
+        return False if self._plain_target() else self.rich.is_terminal
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        text = objects[0] if len(objects) == 1 else None
+        if (isinstance(text, str) and not kwargs and text.isprintable() and not _RICH_SYNTAX.search(text)
+                and self._plain_target()):
+            f = self.file
+            f.write(text + "\n")
+            f.flush()
+            return
+        self.rich.print(*objects, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rich, name)  # print_json, status, ... : rich's own
