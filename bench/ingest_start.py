@@ -51,6 +51,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="safepoint-ingest-start-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SAFEPOINT_"))}
+    # As installed (pip writes .pyc files): with PYTHONDONTWRITEBYTECODE, every call would compile
+    # Safepoint's sources again. The first, uncounted call writes them.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(SAFEPOINT_HOME=str(work / "sp"), PREFECT_HOME=str(work / "ph"), PYTHONPATH=str(ROOT))
     sp = [sys.executable, "-m", "safepoint.cli"]
     durable = (work / "durable").as_uri()
