@@ -46,6 +46,7 @@ from safepoint.core.hashing import new_hasher
 from safepoint.core.naming import snapshot_key
 from safepoint.core.redact import redact
 from safepoint.destinations import retry
+from safepoint.destinations.base import check_size
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.fsspec_dest import FsspecDestination
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
@@ -408,16 +409,17 @@ class S3Destination(FsspecDestination):
         return self._read_back(self._key(run, step, relpath), None, self.pool)
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
-              on_bytes: Callable[[int], None] | None = None) -> str:
+              on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
         """The read-back of `digest`, each part also written to `target` at its offset (direct I/O where
-        the disk allows: the parts come from a page-aligned pool) and fsynced before returning."""
+        the disk allows: the parts come from a page-aligned pool) and fsynced before returning.
+        `size` is checked against the one HEAD that pins the version (no second round trip)."""
         with FileWriter(target) as out:
             def sink(offset: int, view: memoryview) -> None:
                 out.write_at(offset, view)  # OSError (a full disk) is the caller's: not a network fault
                 if on_bytes is not None:
                     on_bytes(len(view))
 
-            digest = self._read_back(self._key(run, step, relpath), sink, self._read_pool)
+            digest = self._read_back(self._key(run, step, relpath), sink, self._read_pool, size)
             out.sync()
         return digest
 
@@ -429,7 +431,8 @@ class S3Destination(FsspecDestination):
                 self._fetch_pool = BufferPool(self.tuning.max_parts_in_flight, self.tuning.part_size, aligned=True)
             return self._fetch_pool
 
-    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None, pool: BufferPool) -> str:
+    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None, pool: BufferPool,
+                   expect_size: int | None = None) -> str:
         """Parallel ranged GETs of one version into pooled buffers, BLAKE3 in order.
 
         Each part is received, handed to `sink(offset, bytes)` (written at its offset) and hashed by
@@ -439,8 +442,8 @@ class S3Destination(FsspecDestination):
         has been hashed). Memory stays within the pool.
         """
         head = self._head(key)
-        if head is None:
-            raise FileNotFoundError(self._where(key))
+        check_size(None if head is None else int(head["ContentLength"]), expect_size, self._where(key))
+        assert head is not None
         size, etag = int(head["ContentLength"]), head.get("ETag")
         hasher = new_hasher(0)
         if size == 0:
