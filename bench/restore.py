@@ -38,8 +38,8 @@ from safepoint.catalog.store import open_catalog  # noqa: E402
 from safepoint.core.config import Config  # noqa: E402
 from safepoint.core.states import CheckpointState, ReplicaState  # noqa: E402
 from safepoint.local.snapshot import LocalSnapshot  # noqa: E402
-from safepoint.ops.ingest import register, replicate_to, settle_replication  # noqa: E402
 from safepoint.ops.restore import restore  # noqa: E402
+from safepoint.ops.steps import register, replicate_to, settle  # noqa: E402
 from tests.s3server import SeaweedFS  # noqa: E402
 
 MiB = 1024 * 1024
@@ -91,7 +91,7 @@ def store(catalog: Any, folder: Path, urls: list[str], config: Config) -> None:
     snap = LocalSnapshot.open(folder)
     row = register(catalog, snap)
     results = [replicate_to(catalog, row.id, snap, url, config) for url in urls]
-    if settle_replication(catalog, row.id, results) is not CheckpointState.REPLICATED or \
+    if settle(catalog, row.id, results) is not CheckpointState.REPLICATED or \
             any(r.state is not ReplicaState.VERIFIED for r in results):
         raise SystemExit(f"replication of {folder} failed: {[r.error for r in results]}")
     catalog.transition(row.id, CheckpointState.VALIDATING)

@@ -61,6 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="read only from this replica or destination (repeatable, in order of preference)")
     s.add_argument("--min-replicas", type=int, default=1, help="verified replicas the resume point needs")
     s.add_argument("--force", action="store_true", help="replace whatever DIR holds")
-    s.add_argument("--files", type=int, default=4, help="files fetched at once (default 4)")
+    s.add_argument("--files", type=int, default=8, help="files fetched at once (default 8)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_restore)

@@ -6,8 +6,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
+from safepoint.core.errors import FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
 from safepoint.core.naming import join, snapshot_key
+
+
+def check_size(found: int | None, expected: int | None, where: str) -> None:
+    """FileNotFoundError when a stored file is absent (`found` None), FormatError when its size is not `expected`."""
+    if found is None:
+        raise FileNotFoundError(where)
+    if expected is not None and found != expected:
+        raise FormatError(f"size {found}, the manifest says {expected}")
 
 
 class Destination(ABC):
@@ -35,11 +44,13 @@ class Destination(ABC):
         """Read a stored file back and return its BLAKE3."""
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
-              on_bytes: Callable[[int], None] | None = None) -> str:
+              on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
         """Copy a stored file to the local `target` and return the BLAKE3 of the bytes as they arrived.
 
-        A missing file raises FileNotFoundError, a failure of the store DestinationError; an OSError
-        is the local disk's (restore tells them apart: only the first two say anything of the replica).
+        A missing file raises FileNotFoundError, a stored size other than `size` (when given)
+        FormatError before any byte is copied (see `check_size`), a failure of the store
+        DestinationError; an OSError is the local disk's (restore tells them apart: only the first
+        three say anything of the replica).
         """
         raise NotImplementedError(f"{type(self).__name__} cannot fetch files")
 

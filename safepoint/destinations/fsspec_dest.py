@@ -13,7 +13,7 @@ from safepoint.core.format import MARKER_NAME, FileEntry, check_run
 from safepoint.core.hashing import CHUNK, hash_stream, new_hasher, read_chunks
 from safepoint.core.naming import file_url, join, snapshot_key
 from safepoint.core.redact import redact
-from safepoint.destinations.base import Destination
+from safepoint.destinations.base import Destination, check_size
 
 
 class FsspecDestination(Destination):
@@ -47,7 +47,9 @@ class FsspecDestination(Destination):
             return hash_stream(read_chunks(f, CHUNK))[1]
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
-              on_bytes: Callable[[int], None] | None = None) -> str:
+              on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
+        if size is not None:
+            check_size(self.size(run, step, relpath), size, self._path(run, step, relpath))
         h = new_hasher(0)
         try:
             src = self.fs.open(self._path(run, step, relpath), "rb")

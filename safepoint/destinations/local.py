@@ -11,6 +11,7 @@ from pathlib import Path
 from safepoint.core.errors import DestinationError
 from safepoint.core.format import TMP_PREFIX, FileEntry, check_run, check_step
 from safepoint.core.hashing import CHUNK, hash_path, new_hasher
+from safepoint.destinations.base import check_size
 from safepoint.destinations.fsspec_dest import FsspecDestination
 from safepoint.local.atomic import fsync_dir, write_exclusive, write_replace
 from safepoint.local.durable_write import FileWriter, aligned_buffer
@@ -35,7 +36,9 @@ class LocalDestination(FsspecDestination):
         return hash_path(self._local(run, step, relpath))[1]
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
-              on_bytes: Callable[[int], None] | None = None) -> str:
+              on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
+        if size is not None:
+            check_size(self.size(run, step, relpath), size, self._path(run, step, relpath))
         return copy_and_hash(self._local(run, step, relpath), target, on_bytes)
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:

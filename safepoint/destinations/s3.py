@@ -34,7 +34,6 @@ import hashlib
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
@@ -47,6 +46,7 @@ from safepoint.core.hashing import new_hasher
 from safepoint.core.naming import snapshot_key
 from safepoint.core.redact import redact
 from safepoint.destinations import retry
+from safepoint.destinations.base import check_size
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.fsspec_dest import FsspecDestination
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
@@ -64,6 +64,29 @@ def _code(e: BaseException) -> str | None:
 
 def _is_not_found(e: BaseException) -> bool:
     return _code(e) in NOT_FOUND or retry.http_status(e) == 404
+
+
+_loader_lock = threading.Lock()
+_loader: Any = None
+
+
+def _session(kwargs: dict[str, Any]) -> Any:
+    """A botocore session that shares one data loader with every other session of this process.
+
+    Each new session parses botocore's JSON service models again (about 0.1 s of CPU per S3
+    client, measured; a restore opens one per source, before its first byte). The loader only
+    caches those read-only models: credentials, profile and endpoint stay per session.
+    """
+    global _loader
+    import botocore.session
+
+    session = botocore.session.Session(**kwargs)
+    with _loader_lock:
+        if _loader is None:
+            _loader = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _loader)
+    return session
 
 
 def _client_error() -> type[Exception]:
@@ -171,11 +194,10 @@ class S3Destination(FsspecDestination):
         """One botocore S3 client (thread-safe), created on first use."""
         with self._lock:
             if self._client_obj is None:
-                import botocore.session
                 from botocore.config import Config
 
                 s = self._settings
-                session = botocore.session.Session(**s.session)
+                session = _session(s.session)
                 self._client_obj = session.create_client("s3", config=Config(**s.config), **s.client)
             return self._client_obj
 
@@ -387,16 +409,17 @@ class S3Destination(FsspecDestination):
         return self._read_back(self._key(run, step, relpath), None, self.pool)
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
-              on_bytes: Callable[[int], None] | None = None) -> str:
+              on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
         """The read-back of `digest`, each part also written to `target` at its offset (direct I/O where
-        the disk allows: the parts come from a page-aligned pool) and fsynced before returning."""
+        the disk allows: the parts come from a page-aligned pool) and fsynced before returning.
+        `size` is checked against the one HEAD that pins the version (no second round trip)."""
         with FileWriter(target) as out:
             def sink(offset: int, view: memoryview) -> None:
                 out.write_at(offset, view)  # OSError (a full disk) is the caller's: not a network fault
                 if on_bytes is not None:
                     on_bytes(len(view))
 
-            digest = self._read_back(self._key(run, step, relpath), sink, self._read_pool)
+            digest = self._read_back(self._key(run, step, relpath), sink, self._read_pool, size)
             out.sync()
         return digest
 
@@ -408,54 +431,77 @@ class S3Destination(FsspecDestination):
                 self._fetch_pool = BufferPool(self.tuning.max_parts_in_flight, self.tuning.part_size, aligned=True)
             return self._fetch_pool
 
-    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None, pool: BufferPool) -> str:
+    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None, pool: BufferPool,
+                   expect_size: int | None = None) -> str:
         """Parallel ranged GETs of one version into pooled buffers, BLAKE3 in order.
 
-        `sink(offset, bytes)` runs in the thread that received the part, before it is hashed: the
-        parts of a file are written (at their offsets) in parallel, while the caller hashes in order.
+        Each part is received, handed to `sink(offset, bytes)` (written at its offset) and hashed by
+        the worker thread that fetched it, each after the part before it (BLAKE3 is sequential here).
+        `read_window` bounds the GETs in flight; a part that waits for its turn to be hashed holds
+        only its buffer, so the next GET starts as soon as one finishes (not when the oldest part
+        has been hashed). Memory stays within the pool.
         """
         head = self._head(key)
-        if head is None:
-            raise FileNotFoundError(self._where(key))
+        check_size(None if head is None else int(head["ContentLength"]), expect_size, self._where(key))
+        assert head is not None
         size, etag = int(head["ContentLength"]), head.get("ETag")
         hasher = new_hasher(0)
         if size == 0:
             return hasher.hexdigest()
-        ranges = [(off, min(pool.size, size - off)) for off in range(0, size, pool.size)]
-        window = max(1, self.tuning.read_window)
+        gets = threading.Semaphore(max(1, self.tuning.read_window))
+        failed = threading.Event()
         executor = self._pool_executor()
-        pending: deque[tuple[Future, bytearray, int]] = deque()
+        parts: list[tuple[Future, bytearray, threading.Event]] = []
+        before: threading.Event | None = None
 
-        def consume() -> None:
-            fut, buf, offset = pending.popleft()
+        def part(offset: int, length: int, buf: bytearray, after: threading.Event | None,
+                 hashed: threading.Event) -> None:
             try:
-                hasher.update(memoryview(buf)[:fut.result()])
+                try:
+                    view = memoryview(buf)[:self._get_range(key, etag, offset, length, buf)]
+                finally:
+                    gets.release()
+                if sink is not None:
+                    sink(offset, view)  # a local disk's OSError passes through: it is not the store's
+                if after is not None:
+                    after.wait()
+                if not failed.is_set():
+                    hasher.update(view)
+            except BaseException:
+                failed.set()
+                raise
             finally:
+                hashed.set()
                 pool.release(buf)
 
         try:
-            for offset, length in ranges:
-                while True:  # never block on the pool while holding buffers (see BufferPool)
-                    buf = pool.try_acquire() if pending else pool.acquire()
-                    if buf is not None:
-                        break
-                    consume()
-                pending.append((executor.submit(self._get_range, key, etag, offset, length, buf, sink), buf, offset))
-                if len(pending) >= window:
-                    consume()
-            while pending:
-                consume()
-        finally:
-            for fut, buf, _offset in pending:  # after a failure: wait for the rest, give their buffers back
-                fut.cancel()
+            for offset in range(0, size, pool.size):
+                if failed.is_set():
+                    break
+                # Blocking is safe (see BufferPool): the buffers in use belong to parts that finish
+                # and give them back without this thread.
+                buf = pool.acquire()
+                gets.acquire()
+                hashed = threading.Event()
+                fut = executor.submit(part, offset, min(pool.size, size - offset), buf, before, hashed)
+                parts.append((fut, buf, hashed))
+                before = hashed
+            for fut, _buf, _hashed in parts:
+                fut.result()
+        except BaseException:
+            failed.set()
+            for fut, buf, hashed in parts:  # wait for the parts that started; free those that never did
+                if fut.cancel():
+                    pool.release(buf)
+                    hashed.set()  # a running successor waits for it
+            for fut, _buf, _hashed in parts:
                 if not fut.cancelled():
                     fut.exception()
-                pool.release(buf)
+            raise
         return hasher.hexdigest()
 
-    def _get_range(self, key: str, etag: str | None, offset: int, length: int, buf: bytearray,
-                   sink: Callable[[int, memoryview], None] | None = None) -> int:
-        """GET bytes [offset, offset+length) into buf, then hand them to `sink`; a short or cut body is retried."""
+    def _get_range(self, key: str, etag: str | None, offset: int, length: int, buf: bytearray) -> int:
+        """GET bytes [offset, offset+length) into buf; a short or cut body is retried."""
         what = f"GET {self._where(key)} bytes {offset}-{offset + length - 1}"
         view = memoryview(buf)[:length]
 
@@ -486,8 +532,6 @@ class S3Destination(FsspecDestination):
             if _is_not_found(e):
                 raise FileNotFoundError(self._where(key)) from None
             raise self._fail(e, what) from e
-        if sink is not None:
-            sink(offset, view[:got])  # a local disk's OSError passes through: it is not the store's
         return got
 
     def read_control(self, run: str, step: int, name: str) -> bytes | None:

@@ -44,8 +44,14 @@ _start_writeback = _sync_file_range()
 
 
 def aligned_buffer(size: int) -> mmap.mmap:
-    """A page-aligned, writable buffer (anonymous memory), usable with O_DIRECT."""
-    return mmap.mmap(-1, size)
+    """A page-aligned, writable buffer of private anonymous memory, usable with O_DIRECT.
+
+    Private, not `mmap.mmap(-1, size)`'s shared mapping: shared anonymous memory lives in shmem,
+    whose page faults and unmapping cost more (measured: unmapping 256 MiB of touched buffers took
+    0.07-0.09 s shared, 0.02 s private; a restore does it once per source, at its end).
+    """
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    return mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
 
 
 class FileWriter:

@@ -49,7 +49,7 @@ from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
-from safepoint.destinations.base import Destination
+from safepoint.destinations.base import Destination, check_size
 from safepoint.destinations.local import copy_and_hash
 from safepoint.local.atomic import fsync_dir, fsync_file, write_replace
 from safepoint.local.snapshot import LocalSnapshot, read_small, resolve_inside
@@ -121,19 +121,18 @@ class _Reader:
             return read_small(Path(self.source.url) / name)
         return self.dest.read_control(self.run, self.step, name)
 
-    def size(self, relpath: str) -> int | None:
+    def fetch(self, entry: FileEntry, target: Path, on_bytes: Callable[[int], None] | None) -> str:
+        """The file into `target`; FileNotFoundError when absent, FormatError when not the manifest's size."""
         if self.dest is None:
+            src = resolve_inside(Path(self.source.url), entry.path)
             try:
-                st = os.stat(resolve_inside(Path(self.source.url), relpath), follow_symlinks=False)
+                found: int | None = os.stat(src, follow_symlinks=False).st_size
             except FileNotFoundError:
-                return None
-            return st.st_size
-        return self.dest.size(self.run, self.step, relpath)
-
-    def fetch(self, relpath: str, target: Path, on_bytes: Callable[[int], None] | None) -> str:
-        if self.dest is None:
-            return copy_and_hash(resolve_inside(Path(self.source.url), relpath), target, on_bytes)
-        return self.dest.fetch(self.run, self.step, relpath, target, on_bytes)
+                found = None
+            check_size(found, entry.size, str(src))
+            return copy_and_hash(src, target, on_bytes)
+        # The destination checks the size itself, in the request that starts the read (one HEAD on S3).
+        return self.dest.fetch(self.run, self.step, entry.path, target, on_bytes, size=entry.size)
 
     def close(self) -> None:
         if self.dest is not None:
@@ -293,7 +292,7 @@ class _Fetched:
 
 
 def fetch_checkpoint(run: str, choice: _Choice, sources: Sequence[Source], into: Path, *, force: bool,
-                     config: Config, files_at_once: int = 4,
+                     config: Config, files_at_once: int = 8,
                      on_bytes: Callable[[int], None] | None = None) -> _Fetched:
     """Steps 3 and 4: find the manifest, then every file whole in `into` (not yet committed)."""
     readers = [_open_reader(s, run, choice.step, config) for s in sources]
@@ -366,6 +365,9 @@ def _fetch(run: str, choice: _Choice, readers: list[_Reader], into: Path, *, for
     entries = sorted((by_path[p] for p in to_fetch), key=lambda f: -f.size)  # big first: even the load
     verdicts: list[Verdict] = []
     disk_error: BaseException | None = None
+    # Memory is bounded by each source's buffer pool, not by `files_at_once`. Eight at once lets the
+    # shards of a typical checkpoint move together: with four, the files ended in waves, and each
+    # wave's fsyncs and HEADs left the connections idle (8 x 128 MiB: about 3-7% slower, measured).
     with ThreadPoolExecutor(max(1, files_at_once), thread_name_prefix="safepoint-restore") as pool:
         futures = [pool.submit(one, e) for e in entries]
         for fut in futures:
@@ -388,12 +390,7 @@ def _fetch_one(r: _Reader, entry: FileEntry, tmp: Path, final: Path,
                on_bytes: Callable[[int], None] | None) -> tuple[Outcome, str]:
     """One file from one source into `tmp`, verified, fsynced, renamed to `final`."""
     try:
-        size = r.size(entry.path)
-        if size is None:
-            return Outcome.MISSING, "missing"
-        if size != entry.size:
-            return Outcome.BAD, f"size {size}, the manifest says {entry.size}"
-        digest = r.fetch(entry.path, tmp, on_bytes)
+        digest = r.fetch(entry, tmp, on_bytes)  # FileNotFoundError: missing; FormatError: another size
         got = os.stat(tmp).st_size
         if got != entry.size:
             tmp.unlink(missing_ok=True)
@@ -457,7 +454,7 @@ def restore(
     force: bool = False,
     catalog: Catalog | None = None,
     config: Config | None = None,
-    files_at_once: int = 4,
+    files_at_once: int = 8,
     on_bytes: Callable[[int], None] | None = None,
     say: Callable[[str], None] | None = None,
     runner: StepRunner = INLINE,
