@@ -55,9 +55,6 @@ from safepoint.local.durable_write import FileWriter
 log = logging.getLogger(__name__)
 
 SMALL = 1024 * 1024  # files up to this size are read into plain bytes, without a pool buffer
-# A restore writes what has arrived of a part this much at a time (a multiple of the 4 KiB that direct
-# I/O needs; part sizes and the pool's buffers are aligned too), so the disk keeps pace with the body.
-WRITE_CHUNK = 4 * 1024 * 1024
 NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchUpload"})
 
 
@@ -417,9 +414,12 @@ class S3Destination(FsspecDestination):
         the disk allows: the parts come from a page-aligned pool) and fsynced before returning.
         `size` is checked against the one HEAD that pins the version (no second round trip)."""
         with FileWriter(target) as out:
-            # out.write_at's OSError (a full disk) is the caller's, never retried as a network fault.
-            digest = self._read_back(self._key(run, step, relpath), out.write_at, self._read_pool, size,
-                                     on_part=on_bytes)
+            def sink(offset: int, view: memoryview) -> None:
+                out.write_at(offset, view)  # OSError (a full disk) is the caller's: not a network fault
+                if on_bytes is not None:
+                    on_bytes(len(view))
+
+            digest = self._read_back(self._key(run, step, relpath), sink, self._read_pool, size)
             out.sync()
         return digest
 
@@ -431,14 +431,12 @@ class S3Destination(FsspecDestination):
                 self._fetch_pool = BufferPool(self.tuning.max_parts_in_flight, self.tuning.part_size, aligned=True)
             return self._fetch_pool
 
-    def _read_back(self, key: str, write: Callable[[int, memoryview], None] | None, pool: BufferPool,
-                   expect_size: int | None = None, *, on_part: Callable[[int], None] | None = None) -> str:
+    def _read_back(self, key: str, sink: Callable[[int, memoryview], None] | None, pool: BufferPool,
+                   expect_size: int | None = None) -> str:
         """Parallel ranged GETs of one version into pooled buffers, BLAKE3 in order.
 
-        Each part is received, handed to `write(offset, bytes)` as it arrives (WRITE_CHUNK at a time,
-        so the disk works while the body streams and the last write after the last byte is short),
-        and hashed by the worker thread that fetched it, each after the part before it (BLAKE3 is
-        sequential here); `on_part(nbytes)` then counts it (progress: once per part, retries or not).
+        Each part is received, handed to `sink(offset, bytes)` (written at its offset) and hashed by
+        the worker thread that fetched it, each after the part before it (BLAKE3 is sequential here).
         `read_window` bounds the GETs in flight; a part that waits for its turn to be hashed holds
         only its buffer, so the next GET starts as soon as one finishes (not when the oldest part
         has been hashed). Memory stays within the pool.
@@ -460,11 +458,11 @@ class S3Destination(FsspecDestination):
                  hashed: threading.Event) -> None:
             try:
                 try:
-                    view = memoryview(buf)[:self._get_range(key, etag, offset, length, buf, write)]
+                    view = memoryview(buf)[:self._get_range(key, etag, offset, length, buf)]
                 finally:
                     gets.release()
-                if on_part is not None:
-                    on_part(len(view))
+                if sink is not None:
+                    sink(offset, view)  # a local disk's OSError passes through: it is not the store's
                 if after is not None:
                     after.wait()
                 if not failed.is_set():
@@ -502,11 +500,8 @@ class S3Destination(FsspecDestination):
             raise
         return hasher.hexdigest()
 
-    def _get_range(self, key: str, etag: str | None, offset: int, length: int, buf: bytearray,
-                   write: Callable[[int, memoryview], None] | None = None) -> int:
-        """GET bytes [offset, offset+length) into buf, each WRITE_CHUNK handed to `write(file offset,
-        bytes)` as soon as it is in; a short or cut body is retried (a retry writes the same bytes of
-        the same version again). `write`'s OSError (the local disk) is not retried: not the store's."""
+    def _get_range(self, key: str, etag: str | None, offset: int, length: int, buf: bytearray) -> int:
+        """GET bytes [offset, offset+length) into buf; a short or cut body is retried."""
         what = f"GET {self._where(key)} bytes {offset}-{offset + length - 1}"
         view = memoryview(buf)[:length]
 
@@ -518,23 +513,17 @@ class S3Destination(FsspecDestination):
             r = self.client.get_object(**params)
             body = r["Body"]
             readinto = _direct_readinto(body)
-            got = written = 0
+            got = 0
             try:
                 while got < length:
                     n = readinto(view[got:])
                     if not n:
                         break
                     got += n
-                    if write is not None and got - written >= WRITE_CHUNK:
-                        end = got - got % WRITE_CHUNK  # whole chunks: aligned for direct I/O
-                        write(offset + written, view[written:end])
-                        written = end
             finally:
                 body.close()
             if got != length:
                 raise retry.ShortRead(f"{what}: got {got} bytes")
-            if write is not None and written < got:
-                write(offset + written, view[written:got])
             return got
 
         try:
