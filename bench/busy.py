@@ -129,13 +129,16 @@ def main() -> None:
         for i in range(a.demos):
             rc, out, err, wall = cli.run("demo", "--dir", work / f"demo-{i}")
             lines = [line for line in out.splitlines() if line.strip()]
-            good = rc == 0 and bool(lines) and lines[-1].startswith("resume point") and clean(out, err)
+            # the table and the resume point, then the way back (restored and loaded), and nothing after
+            good = rc == 0 and any(line.startswith("resume point: demo-run step 20") for line in lines) \
+                and bool(lines) and lines[-1].startswith("loaded it:") and clean(out, err)
             demo_ok += good
             demo_walls.append(wall)
             if not good:
                 failures.append(f"demo {i + 1}: exit {rc}: {(err or out).strip().splitlines()[-3:]}")
             print(f"  demo {i + 1}: exit {rc}, {wall:6.2f} s, stderr lines {len(err.splitlines())}", flush=True)
-        print(f"demo: {demo_ok}/{a.demos} ended with the resume point and no traceback; per call {stats(demo_walls)}")
+        print(f"demo: {demo_ok}/{a.demos} chose the resume point, restored and loaded it, no traceback; "
+              f"per call {stats(demo_walls)}")
 
         root = work / "watched"
         root.mkdir()
