@@ -43,8 +43,10 @@ def snapshot(folder: Path, step: int) -> Path:
 
     folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(step)
+    # Both the weights and the optimizer state move from step to step, as in training: the same
+    # optimizer state under moved weights is a stale checkpoint (safepoint.rules.consistency).
     torch.save({"model": {"w": torch.randn(256, 256, generator=g)},  # ~256 KiB, like a tiny model
-                "optimizer": {"state": {0: {"exp_avg": torch.zeros(256, 256)}}}, "step": step},
+                "optimizer": {"state": {0: {"exp_avg": torch.randn(256, 256, generator=g)}}}, "step": step},
                folder / "model.pt")
     commit(folder, "lat", step)
     return folder

@@ -351,7 +351,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if getattr(args, "validates", False):  # first: the sandbox's fork server imports torch while Prefect loads
+    # First: the sandbox's fork server imports torch while Prefect loads (`watch --emit` only sends events).
+    if getattr(args, "validates", False) and not getattr(args, "emit", False):
         _prestart_sandbox()
     if getattr(args, "prefect", False):  # commands that run flows or talk to Prefect's API
         ensure_api(on_start=lambda text: err.print(text))
