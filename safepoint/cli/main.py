@@ -47,7 +47,7 @@ def cmd_commit(args) -> int:
     from safepoint.local.commit import commit
 
     m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
-               ranks=args.ranks, node=args.node)
+               ranks=args.ranks, node=args.node, reseal=args.reseal)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
 
@@ -270,6 +270,8 @@ def register(sub) -> None:
     s.add_argument("--world-size", type=int, default=1)
     s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
     s.add_argument("--node", help="host name for multi-node checkpoints")
+    s.add_argument("--reseal", action="store_true",
+                   help="seal again a folder whose files changed since it was sealed (a re-saved step)")
     s.set_defaults(fn=cmd_commit)
 
     s = sub.add_parser("ingest")

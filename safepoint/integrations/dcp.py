@@ -12,7 +12,8 @@ Two ways, by who calls `dcp.save`:
 
 DCP writes `.metadata` last, after every rank's `.distcp` data, so a folder with `.metadata` is
 finished (async saves included); one without is still being written and is left alone.
-To resume: `dcp.load(state_dict, checkpoint_id=str(safepoint.restore(run, into)))`, or point
+Saving a step again into its sealed folder (a resumed run) re-seals it: the old seal goes first.
+To resume: `dcp.load(state_dict, checkpoint_id=os.fspath(safepoint.restore(run, into)))`, or point
 torchtitan's `checkpoint.folder` at the restored folder's parent.
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safepoint.integrations.sealing import SealOptions, seal, step_of_folder
+from safepoint.integrations.sealing import SealOptions, seal, step_of_folder, unseal_before_write
 from safepoint.local.snapshot import is_committed
 from safepoint.validation.loaders.dcp import METADATA_NAME
 
@@ -38,8 +39,12 @@ def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step:
 
     folder = Path(root) / f"step-{step}"
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(state_dict, checkpoint_id=str(folder), process_group=process_group, **dcp_kwargs)
     distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        unseal_before_write(folder)  # a step saved again: its old seal goes before any new byte
+    if distributed:
+        dist.barrier(group=process_group)
+    dcp.save(state_dict, checkpoint_id=str(folder), process_group=process_group, **dcp_kwargs)
     if distributed:
         dist.barrier(group=process_group)
     if not distributed or dist.get_rank() == 0:

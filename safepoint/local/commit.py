@@ -18,6 +18,7 @@ from safepoint.core.format import (
     FileEntry,
     Manifest,
     build_manifest,
+    digest_bytes,
     marker_for,
     safe_relpath,
 )
@@ -92,33 +93,84 @@ def commit(
     meta: dict[str, Any] | None = None,
     files: Iterable[FileEntry] | None = None,
     workers: int = 2,
+    reseal: bool = False,
 ) -> Manifest:
     """Seal `folder` as checkpoint (run, step) and return its manifest.
 
     `files` lets a writer that already hashed its bytes (the Snapshotter) skip re-hashing; they
     are still fsynced. Re-committing an already committed folder with the same run and step is a
-    no-op. Raises CommitError and writes no marker on any failure.
+    no-op while its files still match the manifest. When they no longer do (a trainer re-saved the
+    step after a resume), it is a CommitError unless `reseal`: then the old marker goes first, and
+    the new manifest records the one it supersedes (`meta["supersedes"]`), so the catalog keeps the
+    re-saved bytes as a new version instead of the old ones. Raises CommitError and writes no
+    marker on any failure.
     """
     root = Path(folder)
     if not root.is_dir() or root.is_symlink():
         raise CommitError(f"{folder}: not a directory")
     root = root.resolve()
     with _exclusive(root, folder):
+        if is_committed(root):
+            existing, supersedes = _sealed_before(root, folder, run, step, reseal=reseal, workers=workers)
+            if existing is not None:
+                return existing
+            if supersedes is not None:
+                meta = {**(meta or {}), "supersedes": supersedes}
         return _commit_locked(root, folder, run, step, parent=parent, world_size=world_size, ranks=ranks, node=node,
                               meta=meta, files=files, workers=workers)
+
+
+def unseal(folder: str | os.PathLike) -> None:
+    """Take a folder's seal away before its files change: the marker first (made durable), then the manifest.
+
+    From then on the folder is an unsealed one being written, never a sealed one whose bytes lie.
+    """
+    root = Path(folder)
+    (root / MARKER_NAME).unlink(missing_ok=True)
+    fsync_dir(root)
+    (root / MANIFEST_NAME).unlink(missing_ok=True)
+
+
+def still_matches(snap: LocalSnapshot, workers: int = 2) -> str | None:
+    """None when a sealed folder holds exactly its manifest's files, byte for byte; else what differs."""
+    listed = set(data_files(snap.root))
+    named = {f.path for f in snap.manifest.files}
+    if listed != named:
+        extra, gone = sorted(listed - named), sorted(named - listed)
+        return ", ".join(x for x in (f"new files {extra[:3]}" if extra else "",
+                                     f"missing {gone[:3]}" if gone else "") if x)
+    report = snap.verify(workers=workers)
+    return None if not report.problems else report.summary()
+
+
+def _sealed_before(root: Path, folder: str | os.PathLike, run: str, step: int, *, reseal: bool,
+                   workers: int) -> tuple[Manifest | None, str | None]:
+    """A folder that already has a marker: (its manifest, None) when committing again is a no-op,
+    (None, digest of the manifest it supersedes) when it is re-sealed now (its old seal is removed)."""
+    try:
+        snap = LocalSnapshot.open(root)
+    except FormatError as e:
+        if not reseal:
+            raise CommitError(f"{folder}: has a COMMITTED marker that is not valid: {e}") from None
+        unseal(root)
+        return None, None
+    existing = snap.manifest
+    if (existing.run, existing.step) != (run, step):
+        raise CommitError(f"{folder}: already committed as {existing.run}/{existing.step}")
+    differs = still_matches(snap, workers)
+    if differs is None:
+        return existing, None
+    if not reseal:
+        raise CommitError(f"{folder}: sealed as {run}/{step}, but its files no longer match that seal ({differs}); "
+                          "nothing was committed. If the trainer re-saved this step, seal it again with "
+                          "`safepoint commit --reseal`")
+    unseal(root)
+    return None, digest_bytes(snap.manifest_bytes)
 
 
 def _commit_locked(root: Path, folder: str | os.PathLike, run: str, step: int, *, parent: tuple[str, int] | None,
                    world_size: int, ranks: Iterable[int] | None, node: str | None, meta: dict[str, Any] | None,
                    files: Iterable[FileEntry] | None, workers: int) -> Manifest:
-    if is_committed(root):
-        try:
-            existing = LocalSnapshot.open(root).manifest
-        except FormatError as e:
-            raise CommitError(f"{folder}: has a COMMITTED marker that is not valid: {e}") from None
-        if (existing.run, existing.step) != (run, step):
-            raise CommitError(f"{folder}: already committed as {existing.run}/{existing.step}")
-        return existing
     ours: bytes | None = None
     try:
         names = _scan(root)
