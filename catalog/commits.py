@@ -72,7 +72,8 @@ class Commits(CatalogBase):
         manifest replaces files only in a state where nothing downstream used them (REPLACEABLE),
         or when it says it supersedes the cataloged one (`meta["supersedes"]`, written by a re-seal
         of a re-saved folder): a new version, whose old replicas are marked deleted (the bytes of
-        an abandoned branch, never kept under this step), with a `resealed` event; else CatalogError. A part (ranks a strict subset of the world) merges into the checkpoint.
+        an abandoned branch, never kept under this step), with a `resealed` event; else CatalogError.
+        A part (ranks a strict subset of the world) merges into the checkpoint.
         ``manifest.meta["tags"]`` (list of str) and ``meta["metrics"]`` (object) seed tags/metrics.
         """
         for attempt in range(5):

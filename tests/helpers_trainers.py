@@ -38,15 +38,20 @@ def tiny_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
-def hf_trainer_run(out: Path, *, steps: int = 4, save_steps: int = 2, callbacks: list | None = None) -> list[Path]:
-    """Train a tiny GPT-2 with transformers.Trainer; return its checkpoint-N folders, oldest first."""
+def hf_trainer_run(out: Path, *, steps: int = 4, save_steps: int = 2, callbacks: list | None = None,
+                   resume_from: str | os.PathLike | None = None, **overrides) -> list[Path]:
+    """Train a tiny GPT-2 with transformers.Trainer; return its checkpoint-N folders, oldest first.
+
+    `overrides` go to TrainingArguments (bf16, gradient_accumulation_steps, learning_rate, ...);
+    `resume_from` to `train(resume_from_checkpoint=...)`."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps, per_device_train_batch_size=4,
-                             learning_rate=1e-3, use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True,
-                             dataloader_num_workers=0, save_strategy="steps")
+    kw = dict(output_dir=str(out), max_steps=steps, save_steps=save_steps, per_device_train_batch_size=4,
+              learning_rate=1e-3, use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True,
+              dataloader_num_workers=0, save_strategy="steps")
+    args = TrainingArguments(**{**kw, **overrides})
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=_Tokens(), callbacks=callbacks or [])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.fspath(resume_from) if resume_from is not None else None)
     return sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
 
 
