@@ -52,6 +52,13 @@ def cmd_commit(args) -> int:
     return EXIT_OK
 
 
+def _check_destinations(to: list[str]) -> None:
+    from safepoint.core.config import load_config
+    from safepoint.destinations.check import check_destinations
+
+    check_destinations(to or load_config().section("ingest").get("to", []), load_config().storage_options)
+
+
 def cmd_ingest(args) -> int:
     from safepoint.core.format import MARKER_NAME
     from safepoint.local.snapshot import LocalSnapshot
@@ -64,6 +71,7 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
+    _check_destinations(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
     from safepoint.ops import progress
 
