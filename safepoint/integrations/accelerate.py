@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safepoint.integrations.sealing import SealOptions, seal, unseal_before_write
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, unseal_before_write
 
-__all__ = ["save_state"]
+__all__ = ["load_state", "save_state"]
 
 
 def save_state(accelerator: Any, root: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
@@ -35,3 +35,9 @@ def save_state(accelerator: Any, root: str | os.PathLike, *, run: str, step: int
         seal(folder, step, SealOptions(run, tuple(emit_to), node))
     accelerator.wait_for_everyone()
     return folder
+
+
+def load_state(accelerator: Any, folder: str | os.PathLike, **kwargs: Any) -> None:
+    """accelerator.load_state(folder); when it is sealed (or restored), the next save names it as parent."""
+    accelerator.load_state(os.fspath(folder), **kwargs)
+    note_resumed_from(folder)

@@ -13,7 +13,8 @@ Two ways, by who calls `dcp.save`:
 DCP writes `.metadata` last, after every rank's `.distcp` data, so a folder with `.metadata` is
 finished (async saves included); one without is still being written and is left alone.
 Saving a step again into its sealed folder (a resumed run) re-seals it: the old seal goes first.
-To resume: `dcp.load(state_dict, checkpoint_id=os.fspath(safepoint.restore(run, into)))`, or point
+To resume: `sp_dcp.load(state_dict, safepoint.restore(run, into))` (`dcp.load`, and the restored
+checkpoint becomes the parent of the next one saved), or point
 torchtitan's `checkpoint.folder` at the restored folder's parent.
 """
 
@@ -24,11 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safepoint.integrations.sealing import SealOptions, seal, step_of_folder, unseal_before_write
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, step_of_folder, unseal_before_write
 from safepoint.local.snapshot import is_committed
 from safepoint.validation.loaders.dcp import METADATA_NAME
 
-__all__ = ["save", "seal_finished"]
+__all__ = ["load", "save", "seal_finished"]
 
 
 def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
@@ -52,6 +53,15 @@ def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step:
     if distributed:
         dist.barrier(group=process_group)  # nobody moves on before the seal
     return folder
+
+
+def load(state_dict: dict[str, Any], folder: str | os.PathLike, *, process_group: Any = None,
+         **dcp_kwargs: Any) -> None:
+    """`dcp.load(state_dict)` from a sealed (or restored) folder; the next `save` then names it as its parent."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, checkpoint_id=os.fspath(folder), process_group=process_group, **dcp_kwargs)
+    note_resumed_from(folder)
 
 
 def seal_finished(root: str | os.PathLike, *, run: str, emit_to: Sequence[str] = (), node: str | None = None,
