@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import safepoint
+from safepoint.cli.main import main
 from safepoint.core import resumed
 from safepoint.core.config import Config
 from safepoint.core.format import digest_bytes
@@ -58,7 +59,7 @@ def _assert_sealed_and_cataloged(folder: Path, catalog, run: str) -> None:
 @pytest.mark.parametrize("precision", [{}, {"bf16": True, "gradient_accumulation_steps": 2}],
                          ids=["fp32", "bf16-accumulation"])
 def test_hf_resumed_into_its_output_dir_reseals_and_catalogs_a_new_version(tmp_path: Path, sqlite_catalog,
-                                                                           precision):
+                                                                           sqlite_catalog_url, capsys, precision):
     out, durable = tmp_path / "hf", (tmp_path / "durable").as_uri()
     first = hf_trainer_run(out, steps=6, save_steps=2, callbacks=[SafepointCallback(run="hf")], **precision)
     _ingest_all(first, durable, sqlite_catalog)
@@ -88,6 +89,11 @@ def test_hf_resumed_into_its_output_dir_reseals_and_catalogs_a_new_version(tmp_p
     assert ev["detail"]["old_manifest_blake3"] == old["checkpoint-6"]
     chain = [(x.run, x.step) for x in sqlite_catalog.lineage("hf", 6)]
     assert chain == [("hf", 6), ("hf", 4), ("hf", 2)]
+    capsys.readouterr()
+    assert main(["--catalog", sqlite_catalog_url, "lineage", "hf", "4"]) == 0   # the branch, as a user sees it
+    text = capsys.readouterr().out
+    assert "<- resumed from hf/2 (verified)" in text and "-> resumed as hf/6" in text
+    assert f"abandoned branch's hf/4 (manifest {old['checkpoint-4'][:12]}, parent none)" in text
 
     # the durable copy of step 6 is the new branch's, byte for byte
     restored = safepoint.restore("hf", tmp_path / "back", catalog=sqlite_catalog, config=Config())
