@@ -236,3 +236,30 @@ def test_dcp_on_two_gloo_ranks_resumed_into_the_same_root_reseals(tmp_path: Path
     _ingest_all([root / "step-4"], durable, sqlite_catalog)
     for folder in first:
         _assert_sealed_and_cataloged(folder, sqlite_catalog, "dcp2")
+
+
+def test_consistency_compares_with_the_checkpoints_own_parent_not_the_abandoned_branch(tmp_path: Path,
+                                                                                        sqlite_catalog):
+    """Resumed from step 2 and saved next at step 6: the new step 6 follows step 2, while the abandoned
+    branch's step 4 (newer than 2, older than 6) is still cataloged."""
+    from transformers import TrainerCallback
+
+    class NoSaveAt4(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                control.should_save = False
+
+    out, durable = tmp_path / "hf", (tmp_path / "durable").as_uri()
+    _ingest_all(hf_trainer_run(out, steps=6, save_steps=2, callbacks=[SafepointCallback(run="hf")]), durable,
+                sqlite_catalog)
+    shutil.rmtree(out / "checkpoint-2")
+    point = safepoint.restore("hf", out / "checkpoint-2", step=2, catalog=sqlite_catalog, config=Config())
+    cb = SafepointCallback(run="hf")
+    hf_trainer_run(out, steps=6, save_steps=2, callbacks=[NoSaveAt4(), cb], resume_from=point, max_grad_norm=0.01)
+    assert [p.name for p in cb.sealed] == ["checkpoint-6"]
+    _ingest_all(cb.sealed, durable, sqlite_catalog)
+    six = sqlite_catalog.get("hf", 6)
+    report = sqlite_catalog.latest_validation(six.id).report
+    assert report["checks"]["consistency"]["against"] == "hf/2"       # main: hf/4, the abandoned branch
+    assert [(x.run, x.step) for x in sqlite_catalog.lineage("hf", 6)] == [("hf", 6), ("hf", 2)]
+    assert sqlite_catalog.get("hf", 4).parent is None                  # still there, on its own branch
