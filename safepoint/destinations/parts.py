@@ -28,7 +28,7 @@ from safepoint.core.format import (
     load_committed,
     marker_for,
 )
-from safepoint.destinations.base import Destination
+from safepoint.destinations.base import Destination, SnapshotListing
 from safepoint.destinations.replica_commit import commit_replica
 
 #: control folder of the parts, relative to the snapshot folder at a destination
@@ -103,6 +103,9 @@ class PartDestination(Destination):
 
     def committed_snapshots(self) -> list[tuple[str, int]]:
         return self.inner.committed_snapshots()
+
+    def listing(self, run: str | None = None, step: int | None = None) -> dict[tuple[str, int], SnapshotListing]:
+        return self.inner.listing(run, step)
 
     def close(self) -> None:
         """The caller owns the inner destination."""

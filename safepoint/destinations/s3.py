@@ -23,8 +23,8 @@ Why botocore's synchronous client in threads, and not s3fs's aiobotocore client,
 on this project's 2-core machines the aiohttp send path measured 2-4 s of client CPU per GiB
 (the event loop copies each unsent body into its write buffer), against 0.25 s for urllib3's
 `sendall` from a reused buffer; with the server on the same cores, that CPU is throughput. The
-storage options stay s3fs's (safepoint/destinations/s3_options.py), and `self.fs` is a real
-s3fs filesystem on the same options for fsspec-level callers (reconcile, assemble).
+storage options stay s3fs's (safepoint/destinations/s3_options.py). The destination keeps one
+client for everything, listing included (`listing`, for reconcile).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +45,16 @@ from safepoint.core.hashing import new_hasher
 from safepoint.core.naming import snapshot_key
 from safepoint.core.redact import redact
 from safepoint.destinations import retry
-from safepoint.destinations.base import check_size
+from safepoint.destinations.base import (
+    Capabilities,
+    Destination,
+    SnapshotListing,
+    StoredObject,
+    check_size,
+    group_listing,
+)
 from safepoint.destinations.buffers import BufferPool
-from safepoint.destinations.fsspec_dest import FsspecDestination
+from safepoint.destinations.fsspec_dest import info_mtime
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
 from safepoint.local.durable_write import FileWriter
 
@@ -167,15 +173,20 @@ class _StreamBody:
         return view
 
 
-class S3Destination(FsspecDestination):
-    """`s3://bucket/prefix` through botocore, with s3fs's storage options."""
+class S3Destination(Destination):
+    """`s3://bucket/prefix` through botocore, with s3fs's storage options.
+
+    Exclusive create is a conditional PUT (If-None-Match: *), atomic on stores that honour it (AWS,
+    SeaweedFS: docs/reliability.md); a store that answers 501 gets look-then-write.
+    """
+
+    capabilities = Capabilities(atomic_exclusive_create=True, multipart_uploads=True)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = redact(url.rstrip("/")) or url
         self.bucket, self.prefix = parse_s3_url(url)
         self.tuning, self._fs_options = split_options(storage_options)
         self._settings = client_settings(self._fs_options, self.tuning)
-        self.root = f"{self.bucket}/{self.prefix}".rstrip("/")  # s3fs path of the base, for self.fs
         self.pool = BufferPool(self.tuning.max_parts_in_flight, self.tuning.part_size)
         self._lock = threading.Lock()
         self._client_obj: Any = None
@@ -183,12 +194,6 @@ class S3Destination(FsspecDestination):
         self._fetch_pool: BufferPool | None = None
 
     # -- plumbing ----------------------------------------------------------------------------------
-    @cached_property
-    def fs(self):  # noqa: ANN201 - s3fs.S3FileSystem, created only when an fsspec caller wants it
-        import s3fs
-
-        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **self._fs_options)
-
     @property
     def client(self) -> Any:
         """One botocore S3 client (thread-safe), created on first use."""
@@ -616,6 +621,21 @@ class S3Destination(FsspecDestination):
         super().delete_snapshot(run, step, relpaths)
         self.abort_uploads(run, step)
 
+    def listing(self, run: str | None = None, step: int | None = None) -> dict[tuple[str, int], SnapshotListing]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        prefix = base + "".join(f"{x}/" for x in (run, None if step is None else str(step)) if x is not None)
+        what = f"list {self._where(prefix)}"
+
+        def objects() -> list[tuple[str, StoredObject | None, float | None]]:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            return [(o["Key"][len(base):], StoredObject(int(o.get("Size") or 0), info_mtime(o)), None)
+                    for page in pages for o in page.get("Contents", []) or []]
+
+        try:
+            return group_listing(retry.call(objects, self.tuning.retry, what))
+        except _client_error() as e:
+            raise self._fail(e, what) from e
+
     def committed_snapshots(self) -> list[tuple[str, int]]:
         base = f"{self.prefix}/" if self.prefix else ""
         out = []
@@ -666,7 +686,7 @@ class S3Destination(FsspecDestination):
 
     def abort_stale_uploads(self, older_than_s: float) -> int:
         """Abort unfinished multipart uploads anywhere under the base started more than `older_than_s`
-        ago (the reconciler's sweep; younger ones may belong to an upload in flight)."""
+        ago (reconcile's sweep; younger ones may belong to an upload in flight)."""
         found = self._list_uploads(f"{self.prefix}/" if self.prefix else "", older_than_s=older_than_s)
         for key, upload_id in found:
             self._abort(key, upload_id)
