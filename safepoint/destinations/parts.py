@@ -21,6 +21,7 @@ from safepoint.core.errors import FormatError
 from safepoint.core.format import (
     MANIFEST_NAME,
     MARKER_NAME,
+    PARTS_DIR,
     FileEntry,
     Manifest,
     build_manifest,
@@ -31,8 +32,6 @@ from safepoint.core.format import (
 from safepoint.destinations.base import Destination, SnapshotListing
 from safepoint.destinations.replica_commit import commit_replica
 
-#: control folder of the parts, relative to the snapshot folder at a destination
-PARTS_DIR = ".safepoint/parts"
 #: data files of a multi-node checkpoint MUST NOT live under this prefix
 RESERVED_PREFIX = ".safepoint/"
 
