@@ -240,3 +240,31 @@ def test_verify_of_an_unknown_local_folder_loads_no_heavy_module(catalog, tmp_pa
                        env={**env, "PYTHONPATH": str(REPO), "SAFEPOINT_HOME": str(home)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith(f"{folder}: verified: 1 files verified (4096 bytes)\n"), r.stdout
+
+
+#: calls that move a file into place; only safepoint/local may make them (safepoint.local.atomic)
+RENAMES = {"os.replace", "os.rename", "os.renames", "shutil.move"}
+
+
+def renames_in(path: Path) -> list[str]:
+    """`os.replace`/`os.rename`/`shutil.move` calls, and any `.rename(...)` (Path.rename), with their line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = ast.unparse(node.func)
+            if name in RENAMES or node.func.attr == "rename":
+                found.append(f"{name} at line {node.lineno}")
+    return found
+
+
+def test_renames_find_a_planted_one(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("import os\nos.replace('a', 'b')\nfrom pathlib import Path\nPath('a').rename('b')\n'x'.replace('a', 'b')\n")
+    assert renames_in(p) == ["os.replace at line 2", "Path('a').rename at line 4"]
+
+
+def test_only_safepoint_local_renames_files():
+    """Durable writes (temp, fsync, rename) are written once, in safepoint/local (docs/architecture.md)."""
+    offenders = [f"{m}: {hit}" for m, p in sorted(project_modules().items())
+                 if not m.startswith("safepoint.local.") for hit in renames_in(p)]
+    assert not offenders, "\n".join(offenders)

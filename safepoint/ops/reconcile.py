@@ -15,9 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -42,7 +40,8 @@ from safepoint.destinations.base import Destination, SnapshotListing
 from safepoint.local.safe_delete import open_dir, unlink_files
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.good_copy import good_source, verified_copy
-from safepoint.ops.leases import default_holder
+from safepoint.ops.leases import try_once
+from safepoint.ops.reconcile_report import ReconcileReport, Step
 from safepoint.ops.replicate import verify_replica
 from safepoint.ops.steps import replicate_to, settle_copies
 from safepoint.ops.validation import validate_checkpoint
@@ -65,50 +64,6 @@ log = logging.getLogger("safepoint.ops.reconcile")
 GRACE_S = 3600.0
 
 
-# -- the report ---------------------------------------------------------------------------------
-
-@dataclass
-class Step:
-    """One thing reconcile found, and what it did (or would do, with dry_run)."""
-
-    action: str
-    run: str | None
-    step: int | None
-    where: str
-    detail: str = ""
-    done: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"action": self.action, "run": self.run, "step": self.step, "where": self.where,
-                "detail": self.detail, "done": self.done}
-
-
-@dataclass
-class ReconcileReport:
-    steps: list[Step] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    dry_run: bool = False
-
-    def add(self, action: Any, run: str | None, step: int | None, where: str, detail: str = "",
-            done: bool = False) -> Step:
-        s = Step(str(action), run, step, redact(where) or "", redact(detail) or "", done)
-        self.steps.append(s)
-        return s
-
-    def count(self, action: Any) -> int:
-        return sum(1 for s in self.steps if s.action == str(action))
-
-    def actions(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.steps:
-            out[s.action] = out.get(s.action, 0) + 1
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"dry_run": self.dry_run, "steps": [s.to_dict() for s in self.steps], "errors": list(self.errors),
-                "actions": self.actions()}
-
-
 # -- observing a destination --------------------------------------------------------------------
 
 def _observe(dest: Destination, loc: SnapshotListing, now: float) -> tuple[Remote, Manifest | None]:
@@ -123,18 +78,6 @@ def _observe(dest: Destination, loc: SnapshotListing, now: float) -> tuple[Remot
         return observe(objects, loc.folder_mtime, now, broken=True), None
     return observe(objects, loc.folder_mtime, now, manifest_files=manifest.files,
                    manifest_blake3=digest_bytes(manifest_bytes or b"")), manifest
-
-
-@contextmanager
-def _lease(catalog: Catalog, name: str) -> Iterator[bool]:
-    """Try the lease once; yield whether we hold it. Reconcile never waits for a live ingest."""
-    holder = default_holder()
-    got = catalog.acquire_lease(name, holder, 300.0)
-    try:
-        yield got
-    finally:
-        if got:
-            catalog.release_lease(name, holder)
 
 
 # -- the reconciler -----------------------------------------------------------------------------
@@ -284,7 +227,7 @@ class Reconciler:
                         detail: str) -> None:
         run, step = loc.run, loc.step
         url = dest.snapshot_url(run, step)
-        with _lease(self.catalog, ingest_lease(run, step, dest.url)) as got:
+        with try_once(self.catalog, ingest_lease(run, step, dest.url), ttl_s=300.0) as got:
             if not got:
                 self.report.add(Action.KEEP_PARTIAL, run, step, url, "an ingest holds its lease")
                 return
@@ -471,8 +414,9 @@ def reconcile(catalog: Catalog, destinations: Iterable[str] | None = None, confi
     for url in urls:
         try:
             r.destination(url)
-        except (OSError, SafepointError, ValueError) as e:
-            r.report.errors.append(f"{redact_url(url)}: {redact(str(e))}")
+        except Exception as e:  # noqa: BLE001 - one unusable destination (no credentials, gone) spares the others
+            why = str(e) if isinstance(e, (OSError, SafepointError, ValueError)) else f"{type(e).__name__}: {e}"
+            r.report.errors.append(f"{redact_url(url)}: destination not reconciled: {redact(why)}")
     r.local(local)
     r.checkpoints(urls)
     if not dry_run and any(s.done for s in r.report.steps):
