@@ -259,7 +259,8 @@ def renames_in(path: Path) -> list[str]:
 
 def test_renames_find_a_planted_one(tmp_path):
     p = tmp_path / "m.py"
-    p.write_text("import os\nos.replace('a', 'b')\nfrom pathlib import Path\nPath('a').rename('b')\n'x'.replace('a', 'b')\n")
+    p.write_text("import os\nos.replace('a', 'b')\nfrom pathlib import Path\nPath('a').rename('b')\n"
+                 "'x'.replace('a', 'b')\n")
     assert renames_in(p) == ["os.replace at line 2", "Path('a').rename at line 4"]
 
 
