@@ -67,7 +67,7 @@ def check_part(m: Manifest) -> None:
 class PartDestination(Destination):
     """A view of a destination for one part: data files are shared, control files are the part's own.
 
-    `safepoint.replicate.replicate(snap, PartDestination(dest, key))` then uploads, reads back and
+    `safepoint.ops.replicate.replicate(snap, PartDestination(dest, key))` then uploads, reads back and
     commits the part with the exact rules of a whole snapshot, under the part's control folder.
     """
 

@@ -1,7 +1,7 @@
 """Commit markers as Prefect events, emitted once, confirmed, and never lost.
 
 Prefect has no file sensor, and an event sent while the server is unreachable is gone. So a
-watcher (safepoint.watch) does not trust an emission: it keeps every marker it has seen in a small
+watcher (safepoint.events.watch) does not trust an emission: it keeps every marker it has seen in a small
 on-disk spool until the *catalog* shows that an ingest of exactly that commit finished (an
 `ingest.done` event, written by the flow), and drives each spooled marker through this loop:
 

@@ -3,7 +3,7 @@
 The rules (docs/format.md, "Multi-node checkpoints"):
 
 - each node's ingest registers its part (catalog.record_commit merges files and ranks), replicates
-  it under the part's own control folder (safepoint.parts), and then tries to assemble;
+  it under the part's own control folder (safepoint.destinations.parts), and then tries to assemble;
 - assembling succeeds only when the catalog holds every expected rank *and* every part has
   committed at the destination; the ingest that succeeds moves the checkpoint to `replicated` and
   validates it. No ingest ever waits for another node: the last part to arrive finishes the set;

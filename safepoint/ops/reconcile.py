@@ -271,7 +271,7 @@ class Reconciler:
             if stale and self._act("remove_tmp", None, None, folder,
                                    f"{len(stale)} temporary file(s): {', '.join(sorted(e.name for e in stale)[:3])}"):
                 try:
-                    with open_dir(folder) as fd:  # no symlink followed on the way (safepoint.safe_delete)
+                    with open_dir(folder) as fd:  # no symlink followed on the way (safepoint.local.safe_delete)
                         unlink_files(fd, [e.name for e in stale])
                 except OSError as err:
                     self.report.errors.append(f"{folder}: {err}")

@@ -52,7 +52,7 @@ class Found(str, Enum):
     COMMITTED = "committed"   # a marker that binds a valid manifest
     BROKEN = "broken"         # a marker, but the control files do not load (missing, hostile, rotten)
     PARTIAL = "partial"       # objects but no marker
-    PARTS = "parts"           # no marker yet, but committed parts of a multi-node checkpoint (safepoint.parts)
+    PARTS = "parts"           # no marker yet, committed parts of a multi-node one (safepoint.destinations.parts)
     ABSENT = "absent"         # nothing
 
     def __str__(self) -> str:
@@ -122,7 +122,7 @@ def decide(remote: Remote, known: Known, grace_s: float) -> Action:
             return Action.UNREADABLE
         return Action.NONE if known.replica is RS.CORRUPT else Action.MARK_CORRUPT
     if remote.found is Found.PARTS:
-        # Delivered parts wait for the others: safepoint.assemble (timeouts) and retention own them.
+        # Delivered parts wait for the others: safepoint.ops.assemble (timeouts) and retention own them.
         return Action.NONE
     if remote.found is Found.PARTIAL:
         if known.replica is RS.VERIFIED and known.state is not CS.PRUNED:
@@ -152,7 +152,7 @@ def plan_checkpoint(state: CS, state_age_s: float, verified_replicas: int, grace
                     world_size: int = 1) -> Settle:
     """What to do with a checkpoint's state once its replicas are reconciled (pure).
 
-    Multi-node checkpoints in flight belong to safepoint.assemble (its timeouts and assembly),
+    Multi-node checkpoints in flight belong to safepoint.ops.assemble (its timeouts and assembly),
     not to us.
     """
     if state in IN_FLIGHT:
