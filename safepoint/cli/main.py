@@ -47,9 +47,16 @@ def cmd_commit(args) -> int:
     from safepoint.local.commit import commit
 
     m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
-               ranks=args.ranks, node=args.node)
+               ranks=args.ranks, node=args.node, reseal=args.reseal)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
+
+
+def _check_destinations(to: list[str]) -> None:
+    from safepoint.core.config import load_config
+    from safepoint.destinations.check import check_destinations
+
+    check_destinations(to or load_config().section("ingest").get("to", []), load_config().storage_options)
 
 
 def cmd_ingest(args) -> int:
@@ -64,6 +71,7 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
+    _check_destinations(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
     from safepoint.ops import progress
 
@@ -270,6 +278,8 @@ def register(sub) -> None:
     s.add_argument("--world-size", type=int, default=1)
     s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
     s.add_argument("--node", help="host name for multi-node checkpoints")
+    s.add_argument("--reseal", action="store_true",
+                   help="seal again a folder whose files changed since it was sealed (a re-saved step)")
     s.set_defaults(fn=cmd_commit)
 
     s = sub.add_parser("ingest")

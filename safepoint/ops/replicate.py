@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, load_committed
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
 from safepoint.core.states import CheckpointState, ReplicaState
 from safepoint.core.verify import FileStatus, VerifyReport, check_file, outcome_of, verify_manifest
 from safepoint.destinations.base import Destination
@@ -71,6 +71,8 @@ def replicate(
     result = ReplicaResult(url=dest.snapshot_url(m.run, m.step), destination=dest.url, state=ReplicaState.PENDING)
 
     existing = dest.read_control(m.run, m.step, MARKER_NAME)
+    if existing is not None and existing != snap.marker_bytes and _drop_superseded(dest, m):
+        existing = None
     if existing is not None and existing != snap.marker_bytes:
         result.state = ReplicaState.FAILED
         result.error = f"{result.url} is already committed with a different manifest; refusing to overwrite"
@@ -128,6 +130,25 @@ def replicate(
         dest.write_control(m.run, m.step, MANIFEST_NAME, snap.manifest_bytes)
     result.state = ReplicaState.VERIFIED
     return result
+
+
+def _drop_superseded(dest: Destination, m: Manifest) -> bool:
+    """The replica there is the version this re-sealed manifest supersedes: remove it (marker first). True if so."""
+    supersedes = m.meta.get("supersedes")
+    if not isinstance(supersedes, str):
+        return False
+    try:
+        old = load_committed(dest.read_control(m.run, m.step, MANIFEST_NAME),
+                             dest.read_control(m.run, m.step, MARKER_NAME))
+        old_digest = digest_bytes(dest.read_control(m.run, m.step, MANIFEST_NAME) or b"")
+    except FormatError:
+        return False
+    if old_digest != supersedes:
+        return False
+    log.info("%s: replacing the superseded version of %s/%s (re-saved and sealed again)",
+             dest.snapshot_url(m.run, m.step), m.run, m.step)
+    dest.delete_snapshot(m.run, m.step, [f.path for f in old.files])
+    return True
 
 
 def verify_replica(dest: Destination, run: str, step: int, *, workers: int = 4) -> VerifyReport:
