@@ -20,8 +20,8 @@ from safepoint.validation.report import consistency_line, finding_rows, tensor_r
 
 def register(subparsers: Any) -> None:
     s = subparsers.add_parser("show")
-    s.add_argument("run")
-    s.add_argument("step", type=int)
+    s.add_argument("run", metavar="RUN", help="run name")
+    s.add_argument("step", metavar="STEP", type=int, help="training step")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list N tensors (flagged first, then the largest norms)")
     s.add_argument("--json", action="store_true", help="the stored report (and stats with --tensors) as JSON")
@@ -29,12 +29,12 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_show(args: Any) -> int:
-    from safepoint.cli.common import _catalog, err, out
+    from safepoint.cli.common import _catalog, err, out, run_hint
 
     cat = _catalog(args)
     row = cat.get(args.run, args.step)
     if row is None:
-        err.print(f"no checkpoint {args.run}/{args.step} in the catalog")
+        err.print(f"no checkpoint {args.run}/{args.step} in the catalog{run_hint(cat, args.run)}")
         return EXIT_BAD
     v = cat.latest_validation(row.id)
     if v is None:
