@@ -70,9 +70,10 @@ def cmd_ingest(args) -> int:
     from safepoint.ops import progress
 
     t0 = time.perf_counter()
-    # A transfer bar on a terminal (bytes uploaded, over every destination).
-    with progress.bar(f"ingest {snap.manifest.run}/{snap.manifest.step}", snap.manifest.total_bytes * len(args.to),
-                      err, enabled=err.is_terminal and not args.json):
+    # On a terminal, one transfer bar per destination (bytes uploaded and read back verified).
+    m = snap.manifest
+    with progress.bars([(url, f"{m.run}/{m.step} -> {url}", m.total_bytes) for url in dict.fromkeys(args.to)],
+                       err, enabled=err.is_terminal and not args.json):
         result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
     dt = time.perf_counter() - t0
     if args.json:
@@ -165,12 +166,28 @@ def cmd_resume_point(args) -> int:
     return EXIT_OK
 
 
+def _local_total(target: str) -> int | None:
+    """The bytes a local snapshot's manifest lists (for the bar's total); None for a URL or no manifest."""
+    from safepoint.ops.verify_local import local_target
+
+    folder = local_target(target)
+    if folder is None:
+        return None
+    from safepoint.local.snapshot import LocalSnapshot
+
+    try:
+        return LocalSnapshot.open(folder).manifest.total_bytes
+    except (SafepointError, OSError):
+        return None
+
+
 def cmd_verify(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
     from safepoint.ops.verify_local import verify_unknown_local
 
-    with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
+    shown = err.is_terminal
+    with progress.bar(f"verify {args.url}", _local_total(args.url) if shown else None, err, enabled=shown):
         config = load_config()
         found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
         if found is None:

@@ -68,10 +68,12 @@ def cmd_reconcile(args) -> int:
 
 def cmd_scrub(args) -> int:
     from safepoint.core.config import load_config
+    from safepoint.ops import progress
     from safepoint.ops.scrub import scrub_pass
 
     catalog = _catalog(args)
-    summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
+    with progress.bar("scrub", None, err, enabled=err.is_terminal and not args.json):
+        summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
