@@ -276,7 +276,9 @@ def cmd_prune(args) -> int:
 def cmd_demo(args) -> int:
     from safepoint.cli.demo import run_demo
 
-    return run_demo(Path(args.dir) if args.dir else None, console=out)
+    # The step bar shows only when both streams are a terminal: the demo's lines then print above it.
+    bar = err if out.is_terminal and err.is_terminal else None
+    return run_demo(Path(args.dir) if args.dir else None, console=out, progress_console=bar)
 
 
 def build_parser() -> argparse.ArgumentParser:
