@@ -100,10 +100,11 @@ def cmd_show(args: Any) -> int:
     if args.tensors:
         ranked = tensor_rows(doc, stats)
         ranked.sort(key=lambda r: (r["verdict"] == "ok", -_num(r["norm"])))
-        t = Table("tensor", "verdict", "dtype", "shape", "norm", "max |x|", "NaN", "Inf",
+        t = Table("tensor", "file", "role", "verdict", "dtype", "shape", "norm", "max |x|", "NaN", "Inf",
                   title=f"Tensors ({min(args.tensors, len(ranked))} of {len(stats)})")
         for r in ranked[: args.tensors]:
-            t.add_row(r["tensor"], r["verdict"], str(r["dtype"]), r["shape"], r["norm"], r["max_abs"], str(r["nan"]),
+            t.add_row(escape(r["tensor"]), escape(r["file"]), r["role"], r["verdict"], str(r["dtype"]), r["shape"],
+                      r["norm"], r["max_abs"], str(r["nan"]),
                       str(r["inf"]), style=None if r["verdict"] == "ok" else "red")
         out.print(t)
     return EXIT_OK if v.ok else EXIT_BAD
