@@ -31,7 +31,7 @@ __all__ = [
 # The newest migration in migrations/versions (tests/test_migrations.py checks it is Alembic's only
 # head). A catalog already there is used without importing Alembic or scanning its scripts (~0.4 s
 # of every CLI command's start).
-HEAD_REVISION = "0003_tensor_digests"
+HEAD_REVISION = "0004_tensor_file_role"
 
 # pg_advisory_xact_lock key serializing concurrent upgrades (any constant; "safepoint" in hex-ish).
 MIGRATION_LOCK_KEY = 0x5AFE_9017_0001

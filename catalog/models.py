@@ -193,6 +193,9 @@ class TensorStat(Base):
     head: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
     digest: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
     value: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
+    # Where the tensor was read from and what it is (safepoint.validation.roles), for the tensor table.
+    file: Mapped[str | None] = mapped_column(sa.Text, nullable=True)
+    role: Mapped[str | None] = mapped_column(sa.String(32), nullable=True)
 
 
 class Event(Base):

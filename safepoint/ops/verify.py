@@ -39,7 +39,7 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
     local = Path(url[len("file://"):]) if url.startswith("file://") else None
     if found is None and local is not None and (local / MARKER_NAME).exists():
         try:
-            report = LocalSnapshot.open(local).verify()
+            report = LocalSnapshot.open(local).verify(progress=hook())
         except FormatError as e:
             report = VerifyReport(error=str(e))
         row = catalog.find_by_local_path(str(local))
