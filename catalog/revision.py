@@ -4,4 +4,4 @@ Apart from catalog.db so that readers that skip SQLAlchemy (catalog.listing) can
 revision too. tests/test_migrations.py checks it is Alembic's only head.
 """
 
-HEAD_REVISION = "0003_tensor_digests"
+HEAD_REVISION = "0005_replica_proof"

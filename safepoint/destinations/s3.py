@@ -11,6 +11,11 @@ The data path, per file (docs/format.md, "Replica layout"):
 - `digest()` reads the object back with parallel ranged GETs, pinned to one version with
   `If-Match`, and BLAKE3-hashes it in order. That read-back is the verification; an ETag is never
   taken for a content hash;
+- with `checksum="SHA256"`, every request also carries the SHA-256 of the very buffer the upload
+  BLAKE3-hashed, which the store checks on arrival (it refuses a wrong one: bench/s3_checksums.py).
+  `attest()` then reads the object's stored SHA-256 (full, or composite over the parts) with one
+  HeadObject; when it is the one sent, the replica needs no read-back (proof "s3-sha256"). A store
+  that keeps no checksum answers nothing, and the object is read back as always;
 - `MANIFEST.json`, then `COMMITTED` are written last, `COMMITTED` with `If-None-Match: *`, so only
   one writer can commit a replica. Multipart uploads left behind by an interrupted run (kill -9,
   a network that went away) are aborted before the manifest is written, and before a file's new
@@ -181,6 +186,7 @@ class S3Destination(FsspecDestination):
         self._client_obj: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._fetch_pool: BufferPool | None = None
+        self._sent: dict[str, str] = {}  # key -> the stored SHA-256 its upload implies (see attest)
 
     # -- plumbing ----------------------------------------------------------------------------------
     @cached_property
@@ -240,9 +246,9 @@ class S3Destination(FsspecDestination):
         head = self._head(self._key(run, step, relpath))
         return None if head is None else int(head["ContentLength"])
 
-    def _head(self, key: str) -> dict[str, Any] | None:
+    def _head(self, key: str, **extra: Any) -> dict[str, Any] | None:
         try:
-            return self._call("head_object", f"HEAD {self._where(key)}", Bucket=self.bucket, Key=key)
+            return self._call("head_object", f"HEAD {self._where(key)}", Bucket=self.bucket, Key=key, **extra)
         except _client_error() as e:
             if _is_not_found(e):
                 return None
@@ -250,6 +256,7 @@ class S3Destination(FsspecDestination):
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         key = self._key(run, step, entry.path)
+        self._remember(key, None)  # what an earlier upload of this key implied holds no more
         if entry.size <= max(self.tuning.part_size, SMALL):
             return self._upload_single(key, entry, source)
         if entry.size <= self.tuning.stream_put_max and not self.tuning.checksum:
@@ -323,6 +330,7 @@ class S3Destination(FsspecDestination):
                 self._call("put_object", f"PUT {self._where(key)}", **params)
             except _client_error() as e:
                 raise self._fail(e, f"PUT {self._where(key)}") from e
+            self._remember(key, params.get("ChecksumSHA256"))
             return digest
         finally:
             os.close(fd)
@@ -361,6 +369,7 @@ class S3Destination(FsspecDestination):
                 futures.append((executor.submit(self._send_part, key, upload_id, number, buf, body, extra), buf))
             parts = [f.result() for f, _ in futures]  # the first failure raises here
             digest = hasher.hexdigest()
+            composite = _composite_sha256(parts)
             try:
                 self._call("complete_multipart_upload", f"complete upload {where}", Bucket=self.bucket, Key=key,
                            UploadId=upload_id, MultipartUpload={"Parts": parts})
@@ -371,6 +380,7 @@ class S3Destination(FsspecDestination):
                 if head is None or int(head["ContentLength"]) != entry.size:
                     raise self._fail(e, f"complete upload {where}") from e
             completed = True
+            self._remember(key, composite)
             return digest
         except _LocalChanged:
             return hasher.hexdigest()  # shorter than the manifest says: changed, never stored
@@ -395,6 +405,26 @@ class S3Destination(FsspecDestination):
         finally:
             self.pool.release(buf)
         return {"PartNumber": number, "ETag": r["ETag"], **extra}
+
+    def _remember(self, key: str, stored_sha256: str | None) -> None:
+        with self._lock:
+            if stored_sha256:
+                self._sent[key] = stored_sha256
+            else:
+                self._sent.pop(key, None)
+
+    def attest(self, run: str, step: int, relpath: str, size: int) -> str | None:
+        """"s3-sha256" when the object this destination just uploaded is stored with the SHA-256 sent
+        with it (checked by the store as the bytes arrived) and the right size; None: read it back."""
+        key = self._key(run, step, relpath)
+        with self._lock:
+            expected = self._sent.pop(key, None)
+        if expected is None:
+            return None
+        head = self._head(key, ChecksumMode="ENABLED")
+        if head is None or int(head["ContentLength"]) != size or head.get("ChecksumSHA256") != expected:
+            return None
+        return "s3-sha256"
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
@@ -683,6 +713,14 @@ class S3Destination(FsspecDestination):
         if found:
             log.info("aborted %d unfinished multipart upload(s) under %s", len(found), self._where(prefix))
         return len(found)
+
+
+def _composite_sha256(parts: list[dict[str, Any]]) -> str | None:
+    """The checksum S3 stores for a multipart object of SHA-256 parts: SHA-256 of the parts' digests, "-N"."""
+    if not parts or not all(p.get("ChecksumSHA256") for p in parts):
+        return None
+    joined = b"".join(base64.b64decode(p["ChecksumSHA256"]) for p in parts)
+    return f"{base64.b64encode(hashlib.sha256(joined).digest()).decode()}-{len(parts)}"
 
 
 def _age_s(initiated: Any) -> float:

@@ -90,6 +90,7 @@ def replicate_to(
         catalog.set_replica(
             checkpoint_id, result.url, result.destination, result.state,
             bytes=snap.manifest.total_bytes if result.state is RS.VERIFIED else 0, error=result.error,
+            proof=result.proof if result.state is RS.VERIFIED else None,
         )
         return result
     finally:
