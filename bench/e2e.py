@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--ls-runs", type=int, default=5)
     ap.add_argument("--skip-ingest", action="store_true", help="restore and ls only (ingest once, untimed)")
+    ap.add_argument("--checksum", action="store_true",
+                    help='checksum = "SHA256" for s3://bench (config.toml): the store attests, no read-back')
     a = ap.parse_args(argv)
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: .pyc files are written (first call)
         env.update(server.env(), SAFEPOINT_HOME=str(work / "sp"), PREFECT_HOME=str(work / "ph"),
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT))
+        if a.checksum:
+            (work / "sp").mkdir(parents=True, exist_ok=True)
+            (work / "sp" / "config.toml").write_text(f'[storage."s3://{BUCKET}"]\nchecksum = "SHA256"\n')
         t = Timer(env)
         s5 = ["s5cmd", "--endpoint-url", server.endpoint]
         step = 0
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{nbytes / MiB:.0f} MiB in {a.shards} torch.save shards; SeaweedFS on loopback; {os.cpu_count()} CPUs; "
           f"load average {load0[0]:.2f} before, {load1[0]:.2f} after; medians of {a.rounds} rounds "
-          f"({a.ls_runs} runs for ls)")
+          f"({a.ls_runs} runs for ls); S3 proof: {'s3-sha256 (checksum = SHA256)' if a.checksum else 'read-back'}")
     print(f"once: `safepoint server start` {server_start:.2f} s; first ingest (uncounted) {first_ingest:.2f} s\n")
     print("| figure | Safepoint (s) | peer | peer (s) | ratio |")
     print("| --- | ---: | --- | ---: | ---: |")
