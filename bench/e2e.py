@@ -7,7 +7,10 @@ once (the embedded Prefect server, timed apart), one uncounted warm-up ingest; t
 an order that rotates:
 
 - **ingest**: `safepoint ingest DIR --to s3://bench/sp` of an 8-shard torch.save checkpoint (fresh
-  process: replicate, verify, validate, catalog) against `s5cmd cp 'DIR/*' s3://bench/s5/...`;
+  process: replicate, verify, validate, catalog; every object read back), the same to
+  `s3://bench/att` where config.toml sets `checksum = "SHA256"` (the store checks each request's
+  SHA-256 and returns it: no read-back, proof "s3-sha256"), against `s5cmd cp 'DIR/*' s3://bench/s5/...`;
+  each run on a new checkpoint (made untimed: validation refuses a step identical to the last);
 - **restore**: `safepoint restore --run R --step S --into OUT --from s3://bench/sp` (fresh process,
   catalog opened, every byte BLAKE3-verified and fsynced; the local copy is gone) against
   `s5cmd cp 's3://bench/sp/R/S/*' OUT/` of the same objects. The split of a restore is seen from
@@ -105,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--ls-runs", type=int, default=5)
     ap.add_argument("--skip-ingest", action="store_true", help="restore and ls only (ingest once, untimed)")
-    ap.add_argument("--checksum", action="store_true",
-                    help='checksum = "SHA256" for s3://bench (config.toml): the store attests, no read-back')
     a = ap.parse_args(argv)
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -123,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: .pyc files are written (first call)
         env.update(server.env(), SAFEPOINT_HOME=str(work / "sp"), PREFECT_HOME=str(work / "ph"),
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT))
-        if a.checksum:
-            (work / "sp").mkdir(parents=True, exist_ok=True)
-            (work / "sp" / "config.toml").write_text(f'[storage."s3://{BUCKET}"]\nchecksum = "SHA256"\n')
+        # s3://bench/att is attested by the store (checksum = SHA256: no read-back); s3://bench/sp is read back
+        (work / "sp").mkdir(parents=True, exist_ok=True)
+        (work / "sp" / "config.toml").write_text(f'[storage."s3://{BUCKET}/att"]\nchecksum = "SHA256"\n')
         t = Timer(env)
         s5 = ["s5cmd", "--endpoint-url", server.endpoint]
         step = 0
@@ -144,20 +145,24 @@ def main(argv: list[str] | None = None) -> int:
             first_ingest = t.run([*sp, "ingest", str(first), "--to", f"s3://{BUCKET}/sp"])["wall"]
             t.run([*s5, "cp", f"{first}/*", f"s3://{BUCKET}/s5/warm/"])
             shutil.rmtree(first)
-            ing: dict[str, list[float]] = {"safepoint ingest": [], "s5cmd cp (upload)": []}
+            ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], "safepoint ingest, read-back": [],
+                                           "safepoint ingest, store attests": []}
             steps = [step]
             for rnd in range(0 if a.skip_ingest else a.rounds):
-                folder = new_checkpoint()
-                order = list(ing) if rnd % 2 == 0 else list(ing)[::-1]
+                names = list(ing)
+                order = names[rnd % 3:] + names[:rnd % 3]
                 for tool in order:
+                    folder = new_checkpoint()  # a new one each time (untimed): each ingest is a first
                     if tool.startswith("safepoint"):
-                        w = t.run([*sp, "ingest", str(folder), "--to", f"s3://{BUCKET}/sp"])["wall"]
+                        to = f"s3://{BUCKET}/{'att' if 'attests' in tool else 'sp'}"
+                        w = t.run([*sp, "ingest", str(folder), "--to", to])["wall"]
+                        if "read-back" in tool:
+                            steps.append(step)
                     else:
                         w = t.run([*s5, "cp", f"{folder}/*", f"s3://{BUCKET}/s5/r{rnd}/"])["wall"]
                     ing[tool].append(w)
-                    print(f"  ingest round {rnd + 1} {tool:22s} {w:6.2f} s", flush=True)
-                shutil.rmtree(folder)  # the local copy is gone before restores
-                steps.append(step)
+                    print(f"  ingest round {rnd + 1} {tool:32s} {w:6.2f} s", flush=True)
+                    shutil.rmtree(folder)  # the local copy is gone before restores
             res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": []}
             for rnd in range(a.rounds):
                 s = steps[rnd % len(steps)]
@@ -196,16 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{nbytes / MiB:.0f} MiB in {a.shards} torch.save shards; SeaweedFS on loopback; {os.cpu_count()} CPUs; "
           f"load average {load0[0]:.2f} before, {load1[0]:.2f} after; medians of {a.rounds} rounds "
-          f"({a.ls_runs} runs for ls); S3 proof: {'s3-sha256 (checksum = SHA256)' if a.checksum else 'read-back'}")
+          f"({a.ls_runs} runs for ls)")
     print(f"once: `safepoint server start` {server_start:.2f} s; first ingest (uncounted) {first_ingest:.2f} s\n")
     print("| figure | Safepoint (s) | peer | peer (s) | ratio |")
     print("| --- | ---: | --- | ---: | ---: |")
     if not a.skip_ingest:
-        si, pi = med(ing["safepoint ingest"]), med(ing["s5cmd cp (upload)"])
-        print(f"| whole ingest, steady state | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | {ratio(si, pi)} |")
-    sr = med([m["wall"] for m in res["safepoint restore"]])
-    pr = med([m["wall"] for m in res["s5cmd cp (download)"]])
-    print(f"| restore end to end | {sr:.2f} | `s5cmd cp` download | {pr:.2f} | {ratio(sr, pr)} |")
+        pi = med(ing["s5cmd cp (upload)"])
+        for tool in ("safepoint ingest, read-back", "safepoint ingest, store attests"):
+            si = med(ing[tool])
+            per_round = med([x / y for x, y in zip(ing[tool], ing["s5cmd cp (upload)"])])
+            print(f"| whole ingest, steady state ({tool.split(', ')[1]}) | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | "
+                  f"{ratio(si, pi)} (per round {per_round:.2f}x) |")
+    srs, prs = [m["wall"] for m in res["safepoint restore"]], [m["wall"] for m in res["s5cmd cp (download)"]]
+    sr, pr = med(srs), med(prs)
+    print(f"| restore end to end | {sr:.2f} | `s5cmd cp` download | {pr:.2f} | {ratio(sr, pr)} "
+          f"(per round {med([x / y for x, y in zip(srs, prs)]):.2f}x) |")
     bp = med(bare)
     print(f"| `safepoint ls`, empty catalog | {med(ls_empty):.3f} | `python -c pass` | {bp:.3f} | "
           f"{ratio(med(ls_empty), bp)} |")
