@@ -8,8 +8,9 @@ an order that rotates:
 
 - **ingest**: `safepoint ingest DIR --to s3://bench/sp` of an 8-shard torch.save checkpoint (fresh
   process: replicate, verify, validate, catalog; every object read back), the same to
-  `s3://bench/att` where config.toml sets `checksum = "SHA256"` (the store checks each request's
-  SHA-256 and returns it: no read-back, proof "s3-sha256"), against `s5cmd cp 'DIR/*' s3://bench/s5/...`;
+  `s3://bench/sha` and `s3://bench/crc` where config.toml sets `checksum = "SHA256"` / `"CRC32"` (the
+  store checks each request's checksum and returns it: no read-back, proof "s3-sha256" / "s3-crc32"),
+  against `s5cmd cp 'DIR/*' s3://bench/s5/...`;
   each run on a new checkpoint (made untimed: validation refuses a step identical to the last);
 - **restore**: `safepoint restore --run R --step S --into OUT --from s3://bench/sp` (fresh process,
   catalog opened, every byte BLAKE3-verified and fsynced; the local copy is gone) against
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT))
         # s3://bench/att is attested by the store (checksum = SHA256: no read-back); s3://bench/sp is read back
         (work / "sp").mkdir(parents=True, exist_ok=True)
-        (work / "sp" / "config.toml").write_text(f'[storage."s3://{BUCKET}/att"]\nchecksum = "SHA256"\n')
+        (work / "sp" / "config.toml").write_text(f'[storage."s3://{BUCKET}/sha"]\nchecksum = "SHA256"\n'
+                                                 f'[storage."s3://{BUCKET}/crc"]\nchecksum = "CRC32"\n')
         t = Timer(env)
         s5 = ["s5cmd", "--endpoint-url", server.endpoint]
         step = 0
@@ -145,23 +147,24 @@ def main(argv: list[str] | None = None) -> int:
             first_ingest = t.run([*sp, "ingest", str(first), "--to", f"s3://{BUCKET}/sp"])["wall"]
             t.run([*s5, "cp", f"{first}/*", f"s3://{BUCKET}/s5/warm/"])
             shutil.rmtree(first)
-            ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], "safepoint ingest, read-back": [],
-                                           "safepoint ingest, store attests": []}
+            lanes = {"safepoint ingest, read-back": "sp", "safepoint ingest, store attests sha256": "sha",
+                     "safepoint ingest, store attests crc32": "crc"}
+            ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], **{k: [] for k in lanes}}
             steps = [step]
             for rnd in range(0 if a.skip_ingest else a.rounds):
                 names = list(ing)
-                order = names[rnd % 3:] + names[:rnd % 3]
+                order = names[rnd % len(names):] + names[:rnd % len(names)]
                 for tool in order:
                     folder = new_checkpoint()  # a new one each time (untimed): each ingest is a first
                     if tool.startswith("safepoint"):
-                        to = f"s3://{BUCKET}/{'att' if 'attests' in tool else 'sp'}"
+                        to = f"s3://{BUCKET}/{lanes[tool]}"
                         w = t.run([*sp, "ingest", str(folder), "--to", to])["wall"]
                         if "read-back" in tool:
                             steps.append(step)
                     else:
                         w = t.run([*s5, "cp", f"{folder}/*", f"s3://{BUCKET}/s5/r{rnd}/"])["wall"]
                     ing[tool].append(w)
-                    print(f"  ingest round {rnd + 1} {tool:32s} {w:6.2f} s", flush=True)
+                    print(f"  ingest round {rnd + 1} {tool:38s} {w:6.2f} s", flush=True)
                     shutil.rmtree(folder)  # the local copy is gone before restores
             res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": []}
             for rnd in range(a.rounds):
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | ---: | --- | ---: | ---: |")
     if not a.skip_ingest:
         pi = med(ing["s5cmd cp (upload)"])
-        for tool in ("safepoint ingest, read-back", "safepoint ingest, store attests"):
+        for tool in lanes:
             si = med(ing[tool])
             per_round = med([x / y for x, y in zip(ing[tool], ing["s5cmd cp (upload)"])])
             print(f"| whole ingest, steady state ({tool.split(', ')[1]}) | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | "

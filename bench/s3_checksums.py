@@ -111,6 +111,21 @@ def probe(c: Any, bucket: str) -> list[tuple[str, str]]:
                      f"{len((a.get('ObjectParts') or {}).get('Parts') or [])} parts listed"))
     except Exception as e:  # noqa: BLE001
         rows.append(("multipart, GetObjectAttributes", f"fails ({type(e).__name__}: {str(e)[:80]})"))
+    kc = k + "-mp-crc32"
+    up4 = c.create_multipart_upload(Bucket=bucket, Key=kc, ChecksumAlgorithm="CRC32")["UploadId"]
+    rows.append(("UploadPart, wrong x-amz-checksum-crc32", refused(
+        lambda: c.upload_part(Bucket=bucket, Key=kc, UploadId=up4, PartNumber=1, Body=parts[0],
+                              ChecksumCRC32=crc32(b"other")))))
+    done = []
+    for n, p in enumerate(parts, 1):
+        r = c.upload_part(Bucket=bucket, Key=kc, UploadId=up4, PartNumber=n, Body=p, ChecksumCRC32=crc32(p))
+        done.append({"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32": crc32(p)})
+    c.complete_multipart_upload(Bucket=bucket, Key=kc, UploadId=up4, MultipartUpload={"Parts": done})
+    joined = b"".join(zlib.crc32(p).to_bytes(4, "big") for p in parts)
+    composite = crc32(joined) + f"-{len(parts)}"
+    h = c.head_object(Bucket=bucket, Key=kc, ChecksumMode="ENABLED")
+    rows.append(("multipart crc32, HEAD returns the composite crc32", "yes" if h.get("ChecksumCRC32") == composite
+                 else f"no ({h.get('ChecksumCRC32')!r}, expected {composite!r})"))
     kp = k + "-mp-plain"
     up3 = c.create_multipart_upload(Bucket=bucket, Key=kp)["UploadId"]
     r = c.upload_part(Bucket=bucket, Key=kp, UploadId=up3, PartNumber=1, Body=parts[1])

@@ -56,14 +56,19 @@ def no_read_back(dest: S3Destination) -> list[str]:
     return asked
 
 
-def test_sha256_checked_by_the_store_stands_for_the_read_back(s3_env, snapshot):
-    dest = s3dest(s3_env, "sha", checksum="SHA256")
+@pytest.mark.parametrize("algo", ["SHA256", "CRC32"])
+def test_a_checksum_checked_by_the_store_stands_for_the_read_back(s3_env, snapshot, algo):
+    dest = s3dest(s3_env, f"att-{algo.lower()}", checksum=algo)
     asked = no_read_back(dest)
     result = replicate(snapshot, dest)
     assert result.state is ReplicaState.VERIFIED, result.error
     assert asked == []
-    assert result.proofs == {"big.bin": "s3-sha256", "mid.bin": "s3-sha256", "meta.json": "s3-sha256"}
-    assert result.proof == "s3-sha256"
+    proof = f"s3-{algo.lower()}"
+    assert result.proofs == {"big.bin": proof, "mid.bin": proof, "meta.json": proof}
+    assert result.proof == proof
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, ChecksumMode="ENABLED",
+                                              Key=s3_env.key(f"att-{algo.lower()}/att/3/big.bin"))
+    assert head[f"Checksum{algo}"].endswith("-3")  # composite, over the 3 parts
 
 
 def test_without_a_checksum_every_byte_is_read_back(s3_env, snapshot):

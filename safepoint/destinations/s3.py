@@ -11,11 +11,12 @@ The data path, per file (docs/format.md, "Replica layout"):
 - `digest()` reads the object back with parallel ranged GETs, pinned to one version with
   `If-Match`, and BLAKE3-hashes it in order. That read-back is the verification; an ETag is never
   taken for a content hash;
-- with `checksum="SHA256"`, every request also carries the SHA-256 of the very buffer the upload
-  BLAKE3-hashed, which the store checks on arrival (it refuses a wrong one: bench/s3_checksums.py).
-  `attest()` then reads the object's stored SHA-256 (full, or composite over the parts) with one
-  HeadObject; when it is the one sent, the replica needs no read-back (proof "s3-sha256"). A store
-  that keeps no checksum answers nothing, and the object is read back as always;
+- with `checksum="SHA256"` (or `"CRC32"`), every request also carries that checksum of the very
+  buffer the upload BLAKE3-hashed, which the store checks on arrival (it refuses a wrong one:
+  bench/s3_checksums.py). `attest()` then reads the object's stored checksum (full, or composite
+  over the parts) with one HeadObject; when it is the one sent, the replica needs no read-back
+  (proof "s3-sha256" or "s3-crc32"). A store that keeps no checksum answers nothing, and the
+  object is read back as always;
 - `MANIFEST.json`, then `COMMITTED` are written last, `COMMITTED` with `If-None-Match: *`, so only
   one writer can commit a replica. Multipart uploads left behind by an interrupted run (kill -9,
   a network that went away) are aborted before the manifest is written, and before a file's new
@@ -39,6 +40,7 @@ import hashlib
 import logging
 import os
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
@@ -186,7 +188,7 @@ class S3Destination(FsspecDestination):
         self._client_obj: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._fetch_pool: BufferPool | None = None
-        self._sent: dict[str, str] = {}  # key -> the stored SHA-256 its upload implies (see attest)
+        self._sent: dict[str, tuple[str, str]] = {}  # key -> (algorithm, stored checksum its upload implies)
 
     # -- plumbing ----------------------------------------------------------------------------------
     @cached_property
@@ -302,9 +304,8 @@ class S3Destination(FsspecDestination):
             got += n
 
     def _checksum(self, data: memoryview | bytes) -> dict[str, str]:
-        if self.tuning.checksum == "SHA256":
-            return {"ChecksumSHA256": base64.b64encode(hashlib.sha256(data).digest()).decode()}
-        return {}
+        algo = self.tuning.checksum
+        return {} if algo is None else {_FIELD[algo]: base64.b64encode(_RAW[algo](data)).decode()}
 
     def _upload_single(self, key: str, entry: FileEntry, source: Path) -> str:
         hasher = new_hasher(0)
@@ -330,7 +331,7 @@ class S3Destination(FsspecDestination):
                 self._call("put_object", f"PUT {self._where(key)}", **params)
             except _client_error() as e:
                 raise self._fail(e, f"PUT {self._where(key)}") from e
-            self._remember(key, params.get("ChecksumSHA256"))
+            self._remember(key, params.get(_FIELD.get(self.tuning.checksum or "", "")))
             return digest
         finally:
             os.close(fd)
@@ -369,7 +370,7 @@ class S3Destination(FsspecDestination):
                 futures.append((executor.submit(self._send_part, key, upload_id, number, buf, body, extra), buf))
             parts = [f.result() for f, _ in futures]  # the first failure raises here
             digest = hasher.hexdigest()
-            composite = _composite_sha256(parts)
+            composite = _composite(self.tuning.checksum, parts)
             try:
                 self._call("complete_multipart_upload", f"complete upload {where}", Bucket=self.bucket, Key=key,
                            UploadId=upload_id, MultipartUpload={"Parts": parts})
@@ -406,25 +407,26 @@ class S3Destination(FsspecDestination):
             self.pool.release(buf)
         return {"PartNumber": number, "ETag": r["ETag"], **extra}
 
-    def _remember(self, key: str, stored_sha256: str | None) -> None:
+    def _remember(self, key: str, stored: str | None) -> None:
         with self._lock:
-            if stored_sha256:
-                self._sent[key] = stored_sha256
+            if stored and self.tuning.checksum:
+                self._sent[key] = (self.tuning.checksum, stored)
             else:
                 self._sent.pop(key, None)
 
     def attest(self, run: str, step: int, relpath: str, size: int) -> str | None:
-        """"s3-sha256" when the object this destination just uploaded is stored with the SHA-256 sent
-        with it (checked by the store as the bytes arrived) and the right size; None: read it back."""
+        """"s3-sha256" / "s3-crc32" when the object this destination just uploaded is stored with the
+        checksum sent with it (checked by the store as the bytes arrived) and the right size; None:
+        read it back."""
         key = self._key(run, step, relpath)
         with self._lock:
-            expected = self._sent.pop(key, None)
-        if expected is None:
+            algo, expected = self._sent.pop(key, (None, None))
+        if algo is None:
             return None
         head = self._head(key, ChecksumMode="ENABLED")
-        if head is None or int(head["ContentLength"]) != size or head.get("ChecksumSHA256") != expected:
+        if head is None or int(head["ContentLength"]) != size or head.get(_FIELD[algo]) != expected:
             return None
-        return "s3-sha256"
+        return f"s3-{algo.lower()}"
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
@@ -715,12 +717,20 @@ class S3Destination(FsspecDestination):
         return len(found)
 
 
-def _composite_sha256(parts: list[dict[str, Any]]) -> str | None:
-    """The checksum S3 stores for a multipart object of SHA-256 parts: SHA-256 of the parts' digests, "-N"."""
-    if not parts or not all(p.get("ChecksumSHA256") for p in parts):
+#: the additional checksums Safepoint sends (`checksum` option): request field, and the raw digest
+_FIELD = {"SHA256": "ChecksumSHA256", "CRC32": "ChecksumCRC32"}
+_RAW: dict[str, Callable[[Any], bytes]] = {
+    "SHA256": lambda data: hashlib.sha256(data).digest(),
+    "CRC32": lambda data: zlib.crc32(data).to_bytes(4, "big"),
+}
+
+
+def _composite(algo: str | None, parts: list[dict[str, Any]]) -> str | None:
+    """The checksum S3 stores for a multipart object (composite): the checksum of the parts' raw checksums, "-N"."""
+    if algo is None or not parts or not all(p.get(_FIELD[algo]) for p in parts):
         return None
-    joined = b"".join(base64.b64decode(p["ChecksumSHA256"]) for p in parts)
-    return f"{base64.b64encode(hashlib.sha256(joined).digest()).decode()}-{len(parts)}"
+    joined = b"".join(base64.b64decode(p[_FIELD[algo]]) for p in parts)
+    return f"{base64.b64encode(_RAW[algo](joined)).decode()}-{len(parts)}"
 
 
 def _age_s(initiated: Any) -> float:
