@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             ls_small = [t.run([*sp, "ls"])["wall"] for _ in range(a.ls_runs)]
             ls_empty = [Timer(env_empty).run([*sp, "ls"])["wall"] for _ in range(a.ls_runs)]
             bare = [t.run([py, "-c", "pass"])["wall"] for _ in range(a.ls_runs)]
-            n_ckpt = len(steps)
+            n_ckpt = step  # every checkpoint made was ingested
         finally:
             subprocess.run([*sp, "server", "stop"], env=env, cwd=ROOT, capture_output=True)
     load1 = os.getloadavg()
