@@ -115,3 +115,30 @@ def test_the_catalog_records_each_replicas_proof(s3_env, snapshot, tmp_path):
     sha_url = next(r.url for r in catalog.replicas(row.id) if r.destination == s3_env.url("cat-sha"))
     catalog.set_replica(row.id, sha_url, s3_env.url("cat-sha"), ReplicaState.CORRUPT, error="rot")
     assert {r.destination: r.proof for r in catalog.replicas(row.id)}[s3_env.url("cat-sha")] is None
+
+
+def test_the_store_is_asked_once_whether_it_refuses_a_wrong_checksum(s3_env, snapshot, monkeypatch):
+    from safepoint.destinations import s3
+
+    monkeypatch.setattr(s3, "_checks", {})
+    dest = s3dest(s3_env, "probe", checksum="CRC32")
+    assert dest._store_checks("CRC32") is True  # SeaweedFS refuses it (BadDigest) on a PUT and on a part
+    assert list(s3._checks.values()) == [True]
+    client = s3_env.server.client()
+    listed = client.list_objects_v2(Bucket=s3_env.bucket, Prefix=s3_env.key("probe")).get("Contents", [])
+    assert listed == [] and dest.pending_uploads() == []  # the probe leaves nothing behind
+    # A call the store accepts is no refusal, and the object it made is removed again.
+    key = s3_env.key("probe/accepted")
+    assert dest._refuses(lambda: client.put_object(Bucket=s3_env.bucket, Key=key, Body=b"x"), key) is False
+    assert client.list_objects_v2(Bucket=s3_env.bucket, Prefix=key).get("KeyCount") == 0
+
+
+def test_a_store_that_does_not_refuse_a_wrong_checksum_is_read_back(s3_env, snapshot, monkeypatch):
+    """A store that kept any checksum it was sent would attest bytes nobody compared: not trusted."""
+    from safepoint.destinations import s3
+
+    monkeypatch.setattr(s3, "_checks", {})
+    monkeypatch.setattr(S3Destination, "_refuses", lambda self, call, created: False)
+    dest = s3dest(s3_env, "lax", checksum="SHA256")
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED and result.proof == "read-back"

@@ -15,7 +15,9 @@ The data path, per file (docs/format.md, "Replica layout"):
   buffer the upload BLAKE3-hashed, which the store checks on arrival (it refuses a wrong one:
   bench/s3_checksums.py). `attest()` then reads the object's stored checksum (full, or composite
   over the parts) with one HeadObject; when it is the one sent, the replica needs no read-back
-  (proof "s3-sha256" or "s3-crc32"). A store that keeps no checksum answers nothing, and the
+  (proof "s3-sha256" or "s3-crc32"). That holds only for a store that checks what arrives: once
+  per process and store, a tiny PUT and a part with a wrong checksum must both be refused, or
+  nothing is attested there. A store that keeps no checksum answers nothing; either way the
   object is read back as always;
 - `MANIFEST.json`, then `COMMITTED` are written last, `COMMITTED` with `If-None-Match: *`, so only
   one writer can commit a replica. Multipart uploads left behind by an interrupted run (kill -9,
@@ -72,6 +74,12 @@ def _code(e: BaseException) -> str | None:
 def _is_not_found(e: BaseException) -> bool:
     return _code(e) in NOT_FOUND or retry.http_status(e) == 404
 
+
+#: (endpoint, bucket, algorithm) -> whether that store refuses a wrong checksum (see _store_checks)
+_checks: dict[tuple[str, str, str], bool] = {}
+_checks_lock = threading.Lock()
+#: what stores answer to a wrong checksum or Content-MD5
+REFUSED = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"})
 
 _loader_lock = threading.Lock()
 _loader: Any = None
@@ -423,10 +431,63 @@ class S3Destination(FsspecDestination):
             algo, expected = self._sent.pop(key, (None, None))
         if algo is None:
             return None
+        if not self._store_checks(algo):
+            return None
         head = self._head(key, ChecksumMode="ENABLED")
         if head is None or int(head["ContentLength"]) != size or head.get(_FIELD[algo]) != expected:
             return None
         return f"s3-{algo.lower()}"
+
+    def _store_checks(self, algo: str) -> bool:
+        """Whether this store refuses a wrong `algo` checksum on a PUT and on a part (asked once per process).
+
+        A store that kept whatever checksum it was sent, unchecked, would make attest() vouch for
+        bytes nobody compared; this asks it to take a wrong one, and only a refusal counts.
+        """
+        ident = (str(self.client.meta.endpoint_url), self.bucket, algo)
+        with _checks_lock:  # held while asking: the files uploaded in parallel wait for one answer
+            if ident not in _checks:
+                _checks[ident] = self._ask_store(algo)
+            return _checks[ident]
+
+    def _ask_store(self, algo: str) -> bool:
+        key = "/".join(p for p in (self.prefix, f".safepoint-checksum-probe-{os.getpid()}-{threading.get_ident()}")
+                       if p)
+        wrong = {_FIELD[algo]: base64.b64encode(_RAW[algo](b"not the body")).decode()}
+        # Plain client calls: Safepoint's retries would resend a refused checksum as damage in flight.
+        checks = self._refuses(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=b"body", **wrong),
+                               key)
+        if checks:
+            upload_id = None
+            try:
+                upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
+                                                                ChecksumAlgorithm=algo)["UploadId"]
+                checks = self._refuses(lambda: self.client.upload_part(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"body", **wrong), None)
+            except Exception as e:  # noqa: BLE001 - a store that cannot even say: read back
+                log.info("%s: could not ask whether it checks %s on parts: %s", self.url, algo, retry.describe(e))
+                checks = False
+            finally:
+                if upload_id is not None:
+                    self._abort(key, upload_id)
+        if not checks:
+            log.warning("%s does not refuse a wrong %s checksum: its replicas are read back, not attested",
+                        self.url, algo)
+        return checks
+
+    def _refuses(self, call: Callable[[], Any], created: str | None) -> bool:
+        try:
+            call()
+        except _client_error() as e:
+            return _code(e) in REFUSED
+        except Exception:  # noqa: BLE001 - no answer is no refusal
+            return False
+        if created is not None:  # accepted: it kept an object we never wanted
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=created)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not delete probe object %s: %s", self._where(created), retry.describe(e))
+        return False
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
