@@ -56,3 +56,17 @@ def test_a_catalog_at_another_revision_is_left_to_the_catalog_proper(seeded):
 def test_a_file_that_is_no_catalog_is_left_to_the_catalog_proper(tmp_path):
     (tmp_path / "catalog.db").write_bytes(b"not sqlite at all" * 100)
     assert read_sqlite(tmp_path / "catalog.db") is None
+
+
+def test_the_listing_reads_every_column_on_each_backend(catalog, tmp_path):
+    """The one SQL through SQLAlchemy: JSON decoded (text on SQLite, JSONB on PostgreSQL), times aware UTC."""
+    when = datetime(2026, 1, 2, 3, 4, 5, 678901, timezone.utc)
+    seed(catalog, tmp_path, "a", 1, replicas=(R.VERIFIED,), tags=("best",), metrics={"loss": 0.25}, pinned=True,
+         created=when)
+    seed(catalog, tmp_path, "a", 2, state=C.INVALID, replicas=(), parent=("a", 1))
+    one, two = catalog.list_checkpoints("a")
+    assert (one.tags, one.metrics, one.pinned, one.created_at, one.parent) == (("best",), {"loss": 0.25}, True,
+                                                                                when, None)
+    assert one.replicas[0].state is R.VERIFIED and one.replicas[0].verified_at.tzinfo is timezone.utc
+    assert (two.state, two.parent, two.replicas, two.tags, two.metrics) == (C.INVALID, ("a", 1), (), (), {})
+    assert [v.step for v in catalog.list_checkpoints(states={C.INVALID})] == [2]
