@@ -97,6 +97,31 @@ class Timer:
         return marks
 
 
+def ingest_split(db: Path, walls: dict[int, float]) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per destination prefix: (outside the flow, flow before the replica, replicate + proof, after) of each
+    ingest, from the catalog's events (`ingest.done` seconds, the replica's pending and verified times)."""
+    import json
+    import sqlite3
+    from datetime import datetime
+
+    out: dict[str, list[tuple[float, float, float, float]]] = {}
+    with sqlite3.connect(db) as con:
+        for cid, step in con.execute("SELECT id, step FROM checkpoints"):
+            if step not in walls:
+                continue
+            ev = [(k, datetime.fromisoformat(at), json.loads(d))
+                  for k, at, d in con.execute("SELECT kind, at, detail FROM events WHERE checkpoint_id = ? "
+                                              "ORDER BY id", (cid,))]
+            pend = next(e for e in ev if e[0] == "replica" and e[2]["state"] == "pending")
+            ver = next(e for e in ev if e[0] == "replica" and e[2]["state"] == "verified")
+            done = next(e for e in ev if e[0] == "ingest.done")
+            flow = done[2]["seconds"]
+            rep_s, after = (ver[1] - pend[1]).total_seconds(), (done[1] - ver[1]).total_seconds()
+            out.setdefault(pend[2]["url"].split("/")[3], []).append(
+                (walls[step] - flow, flow - rep_s - after, rep_s, after))
+    return out
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -151,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                      "safepoint ingest, store attests crc32": "crc"}
             ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], **{k: [] for k in lanes}}
             steps = [step]
+            walls: dict[int, float] = {}
             for rnd in range(0 if a.skip_ingest else a.rounds):
                 names = list(ing)
                 order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -164,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         w = t.run([*s5, "cp", f"{folder}/*", f"s3://{BUCKET}/s5/r{rnd}/"])["wall"]
                     ing[tool].append(w)
+                    if tool.startswith("safepoint"):
+                        walls[step] = w
                     print(f"  ingest round {rnd + 1} {tool:38s} {w:6.2f} s", flush=True)
                     shutil.rmtree(folder)  # the local copy is gone before restores
             res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": []}
@@ -230,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     xfer = med([m.get("done", float("nan")) - m.get("first", float("nan")) for m in rs])
     tail = med([m["wall"] - m.get("done", float("nan")) for m in rs])
     imp = med(restore_imports)
+    if not a.skip_ingest:
+        print("\ningest split (medians, s): outside the flow (process, imports, Prefect) / flow before the "
+              "replica / replicate + proof / after (validation, catalog)")
+        for prefix, xs in ingest_split(work / "sp" / "catalog.db", walls).items():
+            print(f"  s3://{BUCKET}/{prefix}: " + " / ".join(f"{med([x[i] for x in xs]):.2f}" for i in range(4)))
     print(f"\nrestore split (medians, s): ready {ready:.2f} (of which imports {imp:.2f}, in a fresh interpreter), "
           f"first byte {first:.2f}, transfer {xfer:.2f} ({nbytes / MiB / xfer:.0f} MiB/s), tail {tail:.2f}")
     print("goals: ingest <= 1.25x, restore <= 1.0x, ls <= 0.3 s")
