@@ -81,8 +81,7 @@ def main() -> None:
                     sys.exit(f"{cmd} failed: {r.stdout}{r.stderr}")
                 if rnd:
                     times[name].append(dt)
-        if (homes["none"] / "catalog.db").exists():
-            sys.exit("`safepoint ls` with no catalog created one")
+        created = (homes["none"] / "catalog.db").exists()  # a read that made a catalog (before issue 26 it did)
         bare = statistics.median(times["python -c pass"])
         print(f"{a.n} fresh processes each, load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
         print("| command | median (s) | min | max | over `python -c pass` |")
@@ -90,7 +89,7 @@ def main() -> None:
         for name, xs in times.items():
             m = statistics.median(xs)
             print(f"| {name} | {m:.3f} | {min(xs):.3f} | {max(xs):.3f} | {m - bare:+.3f} s |")
-        print("goal: safepoint ls at most 0.3 s")
+        print("goal: safepoint ls at most 0.3 s" + ("; note: `ls` with no catalog created one" if created else ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
