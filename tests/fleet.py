@@ -66,6 +66,7 @@ class Fleet:
         self.watchers: dict[str, subprocess.Popen] = {}
         self._procs: list[subprocess.Popen] = []
         self._dbs: list[str] = []
+        self.timings: dict[str, float] = {}
 
     # -- places and environments ------------------------------------------------------------------
 
@@ -116,10 +117,13 @@ class Fleet:
         for db in (self.prefect_db, self.catalog_db):
             pg("createdb", db)
             self._dbs.append(db)
+        t0 = time.monotonic()
         self.server.start(timeout_s=180)
+        self.timings["server"] = time.monotonic() - t0
         self.prefect("work-pool", "create", POOL, "--type", "process")
         self.deploy(self.nodes)
         self.create_zombie_automation()
+        self.timings["deploy"] = time.monotonic() - t0 - self.timings["server"]
         for n in self.nodes:
             self.start_worker(n)
             self.start_watcher(n)
@@ -148,14 +152,25 @@ class Fleet:
         self.workers[node] = p
         return p
 
-    def kill_worker(self, node: str) -> None:
-        """SIGKILL the node's worker and every flow-run process it started (its process group)."""
+    def kill_worker(self, node: str) -> list[int]:
+        """SIGKILL the node's worker and every process under it, as a node dying would: the flow-run
+        processes a process worker starts are in sessions of their own, so a process group is not
+        enough. Returns the pids killed."""
+        import psutil
+
         p = self.workers.pop(node)
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
         p.wait(timeout=30)
+        psutil.wait_procs(tree, timeout=30)
+        return [proc.pid for proc in tree]
 
     def start_watcher(self, node: str) -> subprocess.Popen:
         root = self.root(node)
@@ -168,8 +183,21 @@ class Fleet:
         return p
 
     def close(self) -> None:
+        import psutil
+
+        stray = []  # flow-run processes of live workers (each in a session of its own)
+        for p in self.workers.values():
+            try:
+                stray += psutil.Process(p.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         for p in reversed(self._procs):
             stop_group(p, grace_s=5)
+        for proc in stray:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
         self.server.stop()
         from safepoint.catalog import db
 
