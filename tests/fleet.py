@@ -92,9 +92,9 @@ class Fleet:
         return p.read_text(errors="replace")[-4000:] if p.exists() else ""
 
     def logs(self) -> str:
-        names = ["server", *(f"{k}-{n}" for n in self.nodes for k in ("worker", "watch"))]
-        return "\n".join(f"--- {n}.log\n{self.log(n)}" for n in names if n != "server") + \
-            f"\n--- prefect server\n{self.server.log.read_text(errors='replace')[-3000:] if self.server.log.exists() else ''}"
+        names = [f"{k}-{n}" for n in self.nodes for k in ("worker", "watch")]
+        server = self.server.log.read_text(errors="replace")[-3000:] if self.server.log.exists() else ""
+        return "\n".join(f"--- {n}.log\n{self.log(n)}" for n in names) + f"\n--- prefect server\n{server}"
 
     def _spawn(self, name: str, argv: list[str], node: str | None) -> subprocess.Popen:
         log = open(self.base / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
