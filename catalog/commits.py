@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from safepoint.catalog import listing
 from safepoint.catalog.base import C, CatalogBase, norm_path
 from safepoint.catalog.models import Checkpoint, CheckpointFile, CheckpointRank, Replica, Run, utcnow
 from safepoint.catalog.views import CheckpointRow, CheckpointView
@@ -294,13 +295,10 @@ class Commits(CatalogBase):
 
     def list_checkpoints(self, run: str | None = None,
                          states: Iterable[CheckpointState] | None = None) -> list[CheckpointView]:
-        """Checkpoints with lineage and replicas, ordered by run then step (two queries, no N+1)."""
-        where: list[Any] = []
-        if run is not None:
-            where.append(Run.name == run)
-        if states is not None:
-            where.append(Checkpoint.state.in_([C(x).value for x in states]))
-        q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
-             .order_by(Run.name, Checkpoint.step))
+        """Checkpoints with lineage and replicas, ordered by run then step (two queries, no N+1).
+
+        The SQL is catalog.listing's, which `safepoint ls` also runs with sqlite3 alone."""
+        checkpoints, replicas, params = listing.statements(run, states)
         with self._read() as s:
-            return self._views(s, q, replicas_where=where)
+            return listing.views(s.execute(sa.text(checkpoints), params).all(),
+                                 s.execute(sa.text(replicas), params).all())

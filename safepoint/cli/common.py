@@ -17,7 +17,7 @@ from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 if TYPE_CHECKING:
     from datetime import datetime
 
-__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_ingest_flow", "watch_here"]
+__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_hint", "run_ingest_flow", "watch_here"]
 
 out = LazyConsole()  # rich's Console, imported only when a command's output needs it
 err = LazyConsole(stderr=True)
@@ -28,6 +28,15 @@ def _catalog(args):
     from safepoint.core.config import load_config
 
     return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
+def run_hint(cat, run: str) -> str:
+    """' (did you mean 'my-run'?)' when `run` is not in the catalog and a recorded run is close to it."""
+    if cat.get_run_id(run) is not None:
+        return ""
+    from safepoint.rules.suggest import did_you_mean
+
+    return did_you_mean(run, cat.runs())
 
 
 def parse_time(text: str, now: datetime | None = None) -> datetime:

@@ -1,10 +1,10 @@
 """`safepoint reconcile` and `safepoint scrub`: repair after crashes, find and fix rot.
 
-- `reconcile` makes the catalog agree with the destinations after any crash (safepoint.reconcile):
+- `reconcile` makes the catalog agree with the destinations after any crash (safepoint.ops.reconcile):
   adopts or confirms committed replicas by re-hashing them, marks vanished ones missing, finishes
   or abandons stuck ingests, re-replicates bad replicas from a good copy, and removes orphans
   (partial replicas, temporary files, stale multipart uploads) once the grace period has passed.
-- `scrub` re-reads one rotating slice of every verified replica (safepoint.scrub, the same pass
+- `scrub` re-reads one rotating slice of every verified replica (safepoint.ops.scrub, the same pass
   as the scheduled scrub flow, without Prefect); a replica whose slice shows rot is verified in
   full and recorded, and then replicated again from a good copy where one exists.
 
@@ -68,10 +68,12 @@ def cmd_reconcile(args) -> int:
 
 def cmd_scrub(args) -> int:
     from safepoint.core.config import load_config
+    from safepoint.ops import progress
     from safepoint.ops.scrub import scrub_pass
 
     catalog = _catalog(args)
-    summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
+    with progress.bar("scrub", None, err, enabled=err.is_terminal and not args.json):
+        summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
@@ -100,12 +102,12 @@ def register(subparsers) -> None:
     s.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     s.add_argument("--no-repair", action="store_true", help="do not re-replicate bad replicas")
     s.add_argument("--no-finish", action="store_true", help="leave stuck ingests alone")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_reconcile)
 
     s = subparsers.add_parser("scrub")
     s.add_argument("--subset", default="16", help="'n': rotate through n slices (default 16); 'i/n': slice i")
     s.add_argument("--run", help="only this run")
     s.add_argument("--no-repair", action="store_true", help="only detect and record; do not re-replicate")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_scrub)

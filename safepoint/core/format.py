@@ -14,6 +14,8 @@ from safepoint.core.errors import FormatError
 MANIFEST_NAME = "MANIFEST.json"
 MARKER_NAME = "COMMITTED"
 TMP_PREFIX = ".safepoint-tmp-"
+#: control folder of a multi-node checkpoint's parts, relative to the snapshot folder (safepoint.destinations.parts)
+PARTS_DIR = ".safepoint/parts"
 CONTROL_FILES = frozenset({MANIFEST_NAME, MARKER_NAME})
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024

@@ -167,7 +167,7 @@ def remove_local_snapshot(folder: str | os.PathLike[str], run: str, step: int,
     the catalog's record) that names run and step: a folder reused for a newer checkpoint, being
     written by training (no manifest yet), or whose manifest was rewritten is left alone. Only
     files that manifest or the catalog lists are deleted, never through a symlink
-    (safepoint.safe_delete), then empty folders; anything else stays. False if nothing was done.
+    (safepoint.local.safe_delete), then empty folders; anything else stays. False if nothing was done.
     """
     out = remove_snapshot_folder(folder, run, step, expect_digest=expect_digest, files=sorted(set(files)))
     if out.refused:

@@ -117,8 +117,8 @@ def replicate_one(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url
     """
     with ingest_leases(catalog, snap.manifest, url, config):
         if is_part(snap.manifest):
-            return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook())
-        return steps.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook())
+            return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook(url))
+        return steps.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook(url))
 
 
 def _as_result(url: str, answer: ReplicaResult | BaseException) -> ReplicaResult:

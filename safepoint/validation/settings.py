@@ -79,7 +79,7 @@ class ValidationSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     warn_only: frozenset[Problem] = frozenset()
     limits: Limits = field(default_factory=Limits)
-    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # safepoint.sandbox: memory, CPU, wall clock
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # limits of safepoint.validation.sandbox
     rules: Rules = field(default_factory=Rules)    # role of each tensor and what non-finite/norm jumps do
     opaque_pickle: str = REPORT                    # refused pickles: reported as not loaded, or failing
     unknown_format: str = REPORT                   # files in no known format: reported, or failing

@@ -65,10 +65,12 @@ def stat_keys(stats: Iterable[TensorStat]) -> list[str]:
     return [s.name if counts[s.name] == 1 else f"{s.file}:{s.name}" for s in stats]
 
 
-def stat_rows(stats: Iterable[TensorStat]) -> list[dict[str, Any]]:
-    """Rows for catalog.record_validation (names from stat_keys)."""
+def stat_rows(stats: Iterable[TensorStat], role: Callable[[str, str], Any] | None = None) -> list[dict[str, Any]]:
+    """Rows for catalog.record_validation (names from stat_keys), each with its file and, given
+    `role(file, name)` (the configured Rules.role), its role."""
     stats = list(stats)
-    return [{**s.to_dict(), "name": key} for s, key in zip(stats, stat_keys(stats))]
+    return [{**s.to_dict(), "name": key, "role": str(role(s.file, s.name)) if role else None}
+            for s, key in zip(stats, stat_keys(stats))]
 
 
 # ------------------------------------------------------------------------------------ norm jumps
