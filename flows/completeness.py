@@ -1,4 +1,4 @@
-"""The periodic completeness check of multi-node checkpoints (safepoint.assemble.apply_timeouts).
+"""The periodic completeness check of multi-node checkpoints (safepoint.ops.assemble.apply_timeouts).
 
 Deployed on an interval (prefect.yaml `completeness`, `safepoint serve`). It never waits: it marks
 sets that stayed partial past `[multinode] timeout_s` as `incomplete`, and assembles and validates

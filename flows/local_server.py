@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from safepoint.core.errors import SafepointError
+from safepoint.local.atomic import write_replace
 
 STATE_NAME = "safepoint-server.json"
 LOCK_NAME = "safepoint-server.lock"
@@ -107,9 +108,7 @@ def read_state(home: Path) -> ServerState | None:
 
 
 def _write_state(home: Path, state: ServerState) -> None:
-    tmp = home / (STATE_NAME + ".tmp")
-    tmp.write_text(json.dumps(asdict(state)))
-    os.replace(tmp, home / STATE_NAME)
+    write_replace(home / STATE_NAME, json.dumps(asdict(state)).encode())  # safepoint.local.atomic
 
 
 def pid_alive(pid: int) -> bool:

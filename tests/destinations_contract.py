@@ -5,9 +5,13 @@ A backend module defines a `dest_url` fixture (a fresh, empty base URL) and impo
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from safepoint import commit
+from safepoint.core.errors import FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
 from safepoint.core.hashing import hash_path
 from safepoint.core.states import CheckpointState, ReplicaState
@@ -111,3 +115,78 @@ def test_delete_snapshot_marker_first(dest_url, snapshot):
     assert dest.read_control("run-x", 42, MARKER_NAME) is None
     assert dest.read_control("run-x", 42, MANIFEST_NAME) is None
     assert all(dest.size("run-x", 42, f.path) is None for f in snapshot.manifest.files)
+
+
+@pytest.fixture
+def dest_options():
+    """Storage options for the fetch tests; a backend module may override it (S3: small parts, so ranged reads)."""
+    return {}
+
+
+def test_fetch_whole_file_hashed_as_it_arrives(dest_url, snapshot, tmp_path):
+    dest = open_destination(dest_url)
+    replicate(snapshot, dest)
+    seen: list[int] = []
+    for f in snapshot.manifest.files:
+        target = tmp_path / f"got-{f.path.replace('/', '_')}"
+        assert dest.fetch("run-x", 42, f.path, target, seen.append, size=f.size) == f.blake3
+        assert target.read_bytes() == snapshot.path_of(f.path).read_bytes()
+    assert sum(seen) == snapshot.manifest.total_bytes
+
+
+def test_fetch_ranged_large_file(dest_url, dest_options, tmp_path):
+    """A file of several read parts (ranged GETs on S3) comes back whole, in order."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(1 << 20) * 11 + b"tail")
+    entry = FileEntry("big.bin", src.stat().st_size, hash_path(src)[1])
+    dest = open_destination(dest_url, dest_options)
+    try:
+        dest.upload("run-x", 43, entry, src)
+        target = tmp_path / "got.bin"
+        assert dest.fetch("run-x", 43, "big.bin", target, size=entry.size) == entry.blake3
+        assert target.read_bytes() == src.read_bytes()
+    finally:
+        dest.close()
+
+
+def test_fetch_refuses_a_lying_size_before_reading(dest_url, snapshot, tmp_path):
+    """The manifest says 99_999 bytes, the store holds 100_000: FormatError, never more than the size read."""
+    dest = open_destination(dest_url)
+    entry = snapshot.manifest.file("a.bin")
+    dest.upload("run-x", 42, entry, snapshot.path_of("a.bin"))
+    target = tmp_path / "got"
+    seen: list[int] = []
+    for lie in (entry.size - 1, entry.size + 1):
+        with pytest.raises(FormatError):
+            dest.fetch("run-x", 42, "a.bin", target, seen.append, size=lie)
+    assert sum(seen) == 0
+    with pytest.raises(FileNotFoundError):
+        dest.fetch("run-x", 42, "nope.bin", target, size=1)
+
+
+def test_fetch_refuses_what_is_not_a_regular_file(dest_url, snapshot, tmp_path):
+    """A folder (a key prefix on S3) where a file should be is not fetched: missing or bad, never read."""
+    dest = open_destination(dest_url)
+    dest.upload("run-x", 42, FileEntry("dir/inner.bin", 100_000, "0" * 64), snapshot.path_of("a.bin"))
+    with pytest.raises((FileNotFoundError, FormatError)):
+        dest.fetch("run-x", 42, "dir", tmp_path / "got", size=0)
+
+
+def test_listing_by_run_and_step(dest_url, snapshot):
+    dest = open_destination(dest_url)
+    replicate(snapshot, dest)
+    dest.upload("run-x", 7, snapshot.manifest.file("a.bin"), snapshot.path_of("a.bin"))  # a partial
+    dest.upload("run-y", 1, snapshot.manifest.file("zero"), snapshot.path_of("zero"))
+    everything = dest.listing()
+    assert set(everything) == {("run-x", 42), ("run-x", 7), ("run-y", 1)}
+    loc = everything[("run-x", 42)]
+    want = {f.path: f.size for f in snapshot.manifest.files}
+    want[MANIFEST_NAME] = len(snapshot.manifest_bytes)
+    want[MARKER_NAME] = len(snapshot.marker_bytes)
+    assert {p: o.size for p, o in loc.objects.items()} == want
+    assert all(o.mtime is not None and abs(o.mtime - time.time()) < 3600 for o in loc.objects.values())
+    assert set(dest.listing("run-x")) == {("run-x", 42), ("run-x", 7)}
+    assert set(dest.listing("run-x", 7)) == {("run-x", 7)}
+    assert set(dest.listing("run-x", 7)[("run-x", 7)].objects) == {"a.bin"}
+    assert dest.listing("run-z") == {}
+    assert dest.abort_stale_uploads(3600.0) == 0

@@ -517,3 +517,38 @@ def test_sha256_checksum_catches_damage_in_flight_per_part(s3_env, fault_proxy, 
     head = s3_env.server.client().head_object(Bucket=s3_env.bucket, Key=s3_env.key("sha/big/7/shard-1.bin"),
                                               ChecksumMode="ENABLED")
     assert head.get("ChecksumSHA256", "").endswith("-3")  # the server kept the per-part checksums
+
+
+@pytest.fixture
+def dest_options():
+    """The contract's fetch tests on S3 read in 5 MiB ranges: a large file takes several ranged GETs."""
+    return dict(SMALL_PARTS)
+
+
+def test_capabilities_of_s3(s3_env):
+    caps = open_destination(s3_env.url("caps")).capabilities
+    assert caps.atomic_exclusive_create and caps.multipart_uploads and not caps.folders
+
+
+def test_one_client_per_destination(s3_env, snapshot, tmp_path):
+    """Listing, fetch, upload and commit all go through the one botocore client: no s3fs filesystem."""
+    dest = open_destination(s3_env.url("one"))
+    replicate(snapshot, dest)
+    client = dest.client
+    assert dest.listing("run-x", 42) and dest.client is client
+    assert not hasattr(dest, "fs")
+
+
+def test_reconcile_reports_an_unusable_destination_and_reconciles_the_others(s3_env, sqlite_catalog, snapshot,
+                                                                             tmp_path, monkeypatch):
+    """No credentials for one destination: it is named in the errors (exit 2), the file:// one is still adopted."""
+    from safepoint.core.config import Config
+    from safepoint.ops.reconcile import reconcile
+
+    good = (tmp_path / "good").as_uri()
+    assert replicate(snapshot, open_destination(good)).state is ReplicaState.VERIFIED
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    report = reconcile(sqlite_catalog, [s3_env.url("nocreds"), good], Config(), finish=False)
+    assert report.count("adopt") == 1 and report.count("replica_verified") == 1, report.to_dict()
+    assert len(report.errors) == 1 and report.errors[0].startswith(s3_env.url("nocreds")), report.errors

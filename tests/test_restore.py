@@ -344,3 +344,29 @@ def test_a_two_rank_dcp_checkpoint_restored_and_loaded_by_one_rank(tmp_path, s3_
     assert torch.equal(state["extra"]["sharded_weight"], model.state_dict()["0.weight"])
     for k, v in model.state_dict().items():
         assert torch.equal(state["model"][k], v), k
+
+
+def test_a_fifo_in_the_local_copy_does_not_hang_restore(tmp_path, sqlite_catalog):
+    """An empty file of the local copy replaced by a FIFO (size 0, as the manifest says) is refused at once
+    and read from the replica; restore never blocks on it."""
+    import threading
+
+    nfs = (tmp_path / "nfs").as_uri()
+    folder = tmp_path / "nvme" / "r" / "1"
+    folder.mkdir(parents=True)
+    (folder / "weights.bin").write_bytes(os.urandom(64 * 1024))
+    (folder / "done.flag").write_bytes(b"")
+    commit(folder, "r", 1)
+    assert ingest(folder, [nfs], sqlite_catalog, Config()).state is CS.VERIFIED
+    (folder / "done.flag").unlink()
+    os.mkfifo(folder / "done.flag")
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(restore("r", tmp_path / "dir", catalog=sqlite_catalog)),
+                         daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "restore blocked on a FIFO in the local copy"
+    (result,) = out
+    assert result.sources == [str(folder), f"{nfs}/r/1"]  # weights.bin from the local copy, done.flag from nfs
+    assert any(f["url"] == str(folder) and "not a regular file" in f["reason"] for f in result.failed), result.failed
+    assert LocalSnapshot.open(tmp_path / "dir").verify().outcome is CS.VERIFIED

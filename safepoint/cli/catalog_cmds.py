@@ -31,6 +31,12 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         err.print(f"no checkpoint {args.run}/{args.step} in the catalog{run_hint(cat, args.run)}")
         return EXIT_BAD
     kids = cat.children(args.run, args.step)
+    # A step re-saved after a resume from an older one: each earlier version is an abandoned branch.
+    abandoned = [e["detail"] for e in cat.events(chain[0].id, kind="resealed")] if chain[0].id else []
+
+    def branch(d: dict[str, Any]) -> dict[str, Any]:
+        return {"version": d.get("version"), "manifest_blake3": d.get("old_manifest_blake3"),
+                "parent": d.get("old_parent"), "replicas_superseded": d.get("replicas_superseded", [])}
 
     def doc(link: Any) -> dict[str, Any]:
         return {"run": link.run, "step": link.step, "state": str(link.state) if link.state else None,
@@ -38,7 +44,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
                 "created": link.created_at.isoformat() if link.created_at else None}
 
     if args.json:
-        print(json.dumps({"chain": [doc(x) for x in chain], "children": [doc(x) for x in kids]}, indent=1))
+        print(json.dumps({"chain": [doc(x) for x in chain], "children": [doc(x) for x in kids],
+                          "abandoned": [branch(d) for d in abandoned]}, indent=1))
         return EXIT_OK
     first = chain[0]
     out.print(f"{first.run}/{first.step} ({first.state})")
@@ -47,6 +54,11 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         out.print(f"  <- {prev.relation} from {link.run}/{link.step} ({what})")
     for k in kids:
         out.print(f"  -> {k.relation} as {k.run}/{k.step} ({k.state})")
+    for d in abandoned:
+        b = branch(d)
+        was = f"{b['parent']['run']}/{b['parent']['step']}" if b["parent"] else "none"
+        out.print(f"  x  re-saved after a resume: an abandoned branch's {first.run}/{first.step} (manifest "
+                  f"{str(b['manifest_blake3'])[:12]}, parent {was}) was replaced", markup=False)
     return EXIT_OK
 
 

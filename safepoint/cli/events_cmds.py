@@ -4,7 +4,7 @@
   process with Prefect's `serve(...)`, for hosts without work-pool infrastructure;
 - `safepoint watch ROOT --emit` watches ROOT (inotify where available, polling otherwise) and
   emits one deterministic event per marker, confirmed through the catalog (safepoint.events);
-  without `--emit`, `watch` ingests in-process as before (safepoint.cli.cmd_watch);
+  without `--emit`, `watch` ingests in-process as before (safepoint.cli.events_cmds.cmd_watch);
 - `safepoint metrics` prints the Prometheus exposition once (`serve --metrics-port` serves it);
 - `safepoint parts --run R` shows multi-node completeness and, with `--apply`, applies timeouts.
 """

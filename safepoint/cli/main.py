@@ -49,9 +49,16 @@ def cmd_commit(args) -> int:
     from safepoint.local.commit import commit
 
     m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
-               ranks=args.ranks, node=args.node)
+               ranks=args.ranks, node=args.node, reseal=args.reseal)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
+
+
+def _check_destinations(to: list[str]) -> None:
+    from safepoint.core.config import load_config
+    from safepoint.destinations.check import check_destinations
+
+    check_destinations(to or load_config().section("ingest").get("to", []), load_config().storage_options)
 
 
 def cmd_ingest(args) -> int:
@@ -66,6 +73,7 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
+    _check_destinations(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
     from safepoint.ops import progress
 
@@ -87,9 +95,21 @@ def cmd_ingest(args) -> int:
     return _ingest_exit(result["state"])
 
 
+def _listing(args) -> list:
+    """The checkpoints `ls` shows: read with sqlite3 alone when the catalog is a SQLite file at head
+    (no SQLAlchemy, no Alembic: the command stays under 0.3 s), else through the catalog proper."""
+    from safepoint.catalog.listing import read_sqlite
+    from safepoint.catalog.probe import sqlite_file
+    from safepoint.core.config import load_config
+
+    url = getattr(args, "catalog", None) or load_config().catalog_url
+    db = sqlite_file(url)
+    views = read_sqlite(db, args.run) if db is not None else None
+    return views if views is not None else _catalog(args).list_checkpoints(args.run)
+
+
 def cmd_ls(args) -> int:
-    cat = _catalog(args)
-    views = cat.list_checkpoints(args.run)
+    views = _listing(args)
     rows = [{
         "run": c.run, "step": c.step, "state": str(c.state), "local_path": c.local_path,
         "bytes": c.total_bytes, "created": c.created_at.isoformat() if c.created_at else None,
@@ -101,7 +121,7 @@ def cmd_ls(args) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     if args.run and not rows:
-        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}")
+        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(_catalog(args), args.run)}")
     headers = ("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
 
     def cells(r: dict, sep: str) -> tuple[str, ...]:
@@ -111,8 +131,7 @@ def cmd_ls(args) -> int:
                 r["parent"] or "-", marks)
 
     if not out.is_terminal:  # a pipe or a file: whole values, one line per checkpoint, no rich import
-        if rows:
-            out.file.write(plain_table(headers, (cells(r, ", ") for r in rows)) + "\n")
+        out.file.write(plain_table(headers, (cells(r, ", ") for r in rows)) + "\n")
         return EXIT_OK
     from rich.markup import escape
     from rich.table import Table
@@ -302,6 +321,8 @@ def register(sub) -> None:
     s.add_argument("--world-size", type=int, default=1, help="ranks of a multi-node checkpoint (default 1)")
     s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
     s.add_argument("--node", help="host name for multi-node checkpoints")
+    s.add_argument("--reseal", action="store_true",
+                   help="seal again a folder whose files changed since it was sealed (a re-saved step)")
     s.set_defaults(fn=cmd_commit)
 
     s = sub.add_parser("ingest")

@@ -1,10 +1,10 @@
 """`safepoint reconcile` and `safepoint scrub`: repair after crashes, find and fix rot.
 
-- `reconcile` makes the catalog agree with the destinations after any crash (safepoint.reconcile):
+- `reconcile` makes the catalog agree with the destinations after any crash (safepoint.ops.reconcile):
   adopts or confirms committed replicas by re-hashing them, marks vanished ones missing, finishes
   or abandons stuck ingests, re-replicates bad replicas from a good copy, and removes orphans
   (partial replicas, temporary files, stale multipart uploads) once the grace period has passed.
-- `scrub` re-reads one rotating slice of every verified replica (safepoint.scrub, the same pass
+- `scrub` re-reads one rotating slice of every verified replica (safepoint.ops.scrub, the same pass
   as the scheduled scrub flow, without Prefect); a replica whose slice shows rot is verified in
   full and recorded, and then replicated again from a good copy where one exists.
 

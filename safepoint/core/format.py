@@ -14,6 +14,8 @@ from safepoint.core.errors import FormatError
 MANIFEST_NAME = "MANIFEST.json"
 MARKER_NAME = "COMMITTED"
 TMP_PREFIX = ".safepoint-tmp-"
+#: control folder of a multi-node checkpoint's parts, relative to the snapshot folder (safepoint.destinations.parts)
+PARTS_DIR = ".safepoint/parts"
 CONTROL_FILES = frozenset({MANIFEST_NAME, MARKER_NAME})
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -38,9 +40,12 @@ def check_run(run: str) -> str:
     return run
 
 
+MAX_STEP = 2**63 - 1  # the catalog's BIGINT: a larger step could be sealed but never cataloged
+
+
 def check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise FormatError(f"invalid step {step!r}: must be an integer >= 0")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise FormatError(f"invalid step {step!r}: must be an integer in [0, 2**63 - 1]")
     return step
 
 

@@ -1,8 +1,15 @@
-"""Any fsspec filesystem as a destination (memory://, gcs://, hdfs://, ...)."""
+"""Any fsspec filesystem as a destination (memory://, gcs://, hdfs://, ...).
+
+fsspec gives no atomic exclusive create in general: `write_control(exclusive=True)` opens with
+mode "xb", which most filesystems implement as look-then-write (capabilities say so).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from contextlib import suppress
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +20,30 @@ from safepoint.core.format import MARKER_NAME, FileEntry, check_run
 from safepoint.core.hashing import CHUNK, hash_stream, new_hasher, read_chunks
 from safepoint.core.naming import file_url, join, snapshot_key
 from safepoint.core.redact import redact
-from safepoint.destinations.base import Destination, check_size
+from safepoint.destinations.base import (
+    Capabilities,
+    Destination,
+    SnapshotListing,
+    StoredObject,
+    check_size,
+    group_listing,
+)
+
+
+def info_mtime(info: dict[str, Any]) -> float | None:
+    """The modification time in an fsspec info dict, whatever the backend calls it."""
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(key)
+        if isinstance(v, datetime):
+            return (v if v.tzinfo else v.replace(tzinfo=timezone.utc)).timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
 
 
 class FsspecDestination(Destination):
+    capabilities = Capabilities(atomic_exclusive_create=False, folders=False)
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = redact(url.rstrip("/"))
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -48,8 +75,10 @@ class FsspecDestination(Destination):
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
               on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
-        if size is not None:
-            check_size(self.size(run, step, relpath), size, self._path(run, step, relpath))
+        found = self.size(run, step, relpath)  # None too for a folder: only regular files are fetched
+        check_size(found, size, self._path(run, step, relpath))
+        assert found is not None
+        limit = found if size is None else size
         h = new_hasher(0)
         try:
             src = self.fs.open(self._path(run, step, relpath), "rb")
@@ -57,19 +86,25 @@ class FsspecDestination(Destination):
             raise
         except Exception as e:  # noqa: BLE001 - any store failure; the local disk is below
             raise DestinationError(redact(f"open {self.url}/{run}/{step}/{relpath}: {e}") or "open failed") from e
+        done = 0
         with src, open(target, "wb") as out:
             while True:
                 try:
-                    chunk = src.read(CHUNK)
+                    chunk = src.read(min(CHUNK, limit - done + 1))  # at most one byte past the size
                 except Exception as e:  # noqa: BLE001
                     raise DestinationError(redact(f"read {self.url}/{run}/{step}/{relpath}: {e}") or "read failed") \
                         from e
                 if not chunk:
                     break
+                if done + len(chunk) > limit:
+                    raise FormatError(f"{self.url}/{run}/{step}/{relpath}: longer than {limit} bytes")
+                done += len(chunk)
                 out.write(chunk)
                 h.update(chunk)
                 if on_bytes is not None:
                     on_bytes(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
         return h.hexdigest()
 
     def read_control(self, run: str, step: int, name: str) -> bytes | None:
@@ -80,10 +115,17 @@ class FsspecDestination(Destination):
 
     def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
         path = self._path(run, step, name)
-        if exclusive and self.fs.exists(path):
-            return False
         self.fs.makedirs(self.fs._parent(path), exist_ok=True)
-        self.fs.pipe_file(path, data)
+        if not exclusive:
+            self.fs.pipe_file(path, data)
+            return True
+        if self.fs.exists(path):
+            return False
+        try:
+            with self.fs.open(path, "xb") as f:  # look-then-write on most fsspec filesystems
+                f.write(data)
+        except FileExistsError:
+            return False
         return True
 
     def delete_files(self, run: str, step: int, relpaths: list[str]) -> None:
@@ -99,6 +141,24 @@ class FsspecDestination(Destination):
             self.fs.rm_file(self._path(run, step, name))
         except FileNotFoundError:
             pass
+
+    def listing(self, run: str | None = None, step: int | None = None) -> dict[tuple[str, int], SnapshotListing]:
+        base = join(self.root, *([run] if run is not None else []), *([str(step)] if step is not None else []))
+        with suppress(AttributeError):
+            self.fs.invalidate_cache()  # a listing cached before a crash or another writer is stale
+        try:
+            found = self.fs.find(base, detail=True, withdirs=True)
+        except FileNotFoundError:
+            found = {}
+        prefix = self.root.rstrip("/") + "/"
+        entries = []
+        for path, info in found.items():
+            path = path.rstrip("/")
+            if path.startswith(prefix):
+                is_dir = info.get("type") == "directory"
+                obj = None if is_dir else StoredObject(int(info.get("size") or 0), info_mtime(info))
+                entries.append((path[len(prefix):], obj, info_mtime(info) if is_dir else None))
+        return group_listing(entries)
 
     def committed_snapshots(self) -> list[tuple[str, int]]:
         out = []

@@ -1,4 +1,9 @@
-"""file:// destinations (local disks, NFS, Lustre, GPFS): temp file, fsync, rename."""
+"""file:// destinations (local disks, NFS, Lustre, GPFS): temp file, fsync, rename.
+
+Plain POSIX calls, no fsspec: each file and the marker are atomic and durable
+(safepoint.local.atomic), exclusive create is a hard link (one winner, atomic), and deletion never
+follows a symlink (safepoint.local.safe_delete).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,43 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from safepoint.core.errors import DestinationError
-from safepoint.core.format import TMP_PREFIX, FileEntry, check_run, check_step
+from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME, FileEntry, check_run, check_step
 from safepoint.core.hashing import CHUNK, hash_path, new_hasher
-from safepoint.destinations.base import check_size
-from safepoint.destinations.fsspec_dest import FsspecDestination
-from safepoint.local.atomic import fsync_dir, write_exclusive, write_replace
-from safepoint.local.durable_write import FileWriter, aligned_buffer
-from safepoint.local.safe_delete import delete_under
+from safepoint.core.naming import file_url
+from safepoint.core.redact import redact
+from safepoint.destinations.base import (
+    Capabilities,
+    Destination,
+    SnapshotListing,
+    StoredObject,
+    group_listing,
+)
+from safepoint.local.atomic import fsync_dir, new_file, write_exclusive, write_replace
+from safepoint.local.copy import copy_and_hash
+from safepoint.local.safe_delete import delete_under, remove_empty_under
+from safepoint.local.snapshot import read_small
+
+__all__ = ["LocalDestination", "copy_and_hash"]
 
 
-class LocalDestination(FsspecDestination):
+class LocalDestination(Destination):
     """POSIX semantics let us make each file and the marker atomic and durable."""
 
+    capabilities = Capabilities(atomic_exclusive_create=True, folders=True)
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self.url = redact(url.rstrip("/")) or url
+        path = url.split("://", 1)[1] if "://" in url else url
+        self.root = os.path.abspath(path).rstrip("/") or "/"
+
     def _local(self, run: str, step: int, relpath: str) -> Path:
-        return Path(self._path(run, step, relpath))
+        return Path(file_url(self.root, run, step, relpath))
 
     def size(self, run: str, step: int, relpath: str) -> int | None:
-        """A plain lstat (fsspec's info() costs more than the syscall); a symlink counts as absent."""
+        """A plain lstat; a symlink or anything but a regular file counts as absent."""
         try:
             st = os.stat(self._local(run, step, relpath), follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -37,34 +60,32 @@ class LocalDestination(FsspecDestination):
 
     def fetch(self, run: str, step: int, relpath: str, target: Path,
               on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
-        if size is not None:
-            check_size(self.size(run, step, relpath), size, self._path(run, step, relpath))
-        return copy_and_hash(self._local(run, step, relpath), target, on_bytes)
+        # FormatError for a FIFO, device or symlink: opened without blocking, never read
+        return copy_and_hash(self._local(run, step, relpath), target, on_bytes, size=size)
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         dst = self._local(run, step, entry.path)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{TMP_PREFIX}{dst.name}.{os.getpid()}")
         h = new_hasher(entry.size)
         # Sized to the file: a fresh 8 MiB buffer per tiny file cost ~1 ms of zeroing each.
         buf = bytearray(min(CHUNK, entry.size + 1))
         view = memoryview(buf)
-        try:
-            with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as out:
-                while True:
-                    n = src.readinto(buf)
-                    if not n:
-                        break
-                    h.update(view[:n])
-                    rest = view[:n]
-                    while rest:  # a raw write may be short (a disk filling up): the rest raises ENOSPC
-                        rest = rest[out.write(rest):]
-                os.fsync(out.fileno())
-            os.replace(tmp, dst)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with open(source, "rb", buffering=0) as src, new_file(dst) as out:
+            while True:
+                n = src.readinto(buf)
+                if not n:
+                    break
+                h.update(view[:n])
+                rest = view[:n]
+                while rest:  # a raw write may be short (a disk filling up): the rest raises ENOSPC
+                    rest = rest[out.write(rest):]
         return h.hexdigest()
+
+    def read_control(self, run: str, step: int, name: str) -> bytes | None:
+        try:
+            return read_small(self._local(run, step, name))
+        except NotADirectoryError:
+            return None
 
     def write_control(self, run: str, step: int, name: str, data: bytes, *, exclusive: bool = False) -> bool:
         dst = self._local(run, step, name)  # name may be a sub-path
@@ -77,7 +98,7 @@ class LocalDestination(FsspecDestination):
         write_replace(dst, data)
         return True
 
-    # Deletion walks from an open folder handle and never follows a symlink (safepoint.safe_delete):
+    # Deletion walks from an open folder handle and never follows a symlink (safepoint.local.safe_delete):
     # a snapshot folder changed after commit cannot steer it outside.
     def _unlink(self, run: str, step: int, relpaths: list[str]) -> None:
         out = delete_under(self.root, (check_run(run), str(check_step(step))), relpaths)
@@ -91,35 +112,42 @@ class LocalDestination(FsspecDestination):
     def delete_control(self, run: str, step: int, name: str) -> None:
         self._unlink(run, step, [name])
 
-def copy_and_hash(source: Path, target: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    """Copy a local file, hashing each byte once as it goes, and fsync it; returns the BLAKE3 of what was read.
+    def remove_empty_folders(self, run: str, step: int) -> None:
+        remove_empty_under(self.root, check_run(run), str(check_step(step)))
 
-    Written through safepoint.local.durable_write (direct I/O from a page-aligned buffer where the disk
-    allows). A read failure other than a missing file is the source's (DestinationError); a write
-    failure is the target disk's (OSError), so a caller can tell a bad source from a full disk.
-    """
-    h = new_hasher(0)
-    buf = aligned_buffer(CHUNK)
-    view = memoryview(buf)
-    done = 0
-    try:
-        src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise DestinationError(f"{source}: {e.strerror}") from e
-    with src, FileWriter(target) as out:
-        while True:
+    def listing(self, run: str | None = None, step: int | None = None) -> dict[tuple[str, int], SnapshotListing]:
+        rel = "/".join(x for x in (run, None if step is None else str(step)) if x is not None)
+        top = os.path.join(self.root, rel) if rel else self.root
+        entries: list[tuple[str, StoredObject | None, float | None]] = []
+        for dirpath, dirnames, filenames in os.walk(top):  # os.walk never follows a symlinked folder
+            base = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            base = "" if base == "." else base + "/"
+            for name in dirnames + filenames:
+                try:
+                    st = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    entries.append((base + name, None, st.st_mtime))
+                else:
+                    entries.append((base + name, StoredObject(st.st_size, st.st_mtime), None))
+        return group_listing(entries)
+
+    def committed_snapshots(self) -> list[tuple[str, int]]:
+        out = []
+        for run in _folders(self.root):
             try:
-                n = src.readinto(view)
-            except OSError as e:
-                raise DestinationError(f"{source}: {e.strerror}") from e
-            if not n:
-                break
-            h.update(view[:n])
-            out.write_at(done, view[:n])
-            done += n
-            if on_bytes is not None:
-                on_bytes(n)
-        out.sync()
-    return h.hexdigest()
+                check_run(run)
+            except FormatError:
+                continue
+            for step in _folders(os.path.join(self.root, run)):
+                if step.isdigit() and str(int(step)) == step and self.size(run, int(step), MARKER_NAME) is not None:
+                    out.append((run, int(step)))
+        return sorted(out)
+
+
+def _folders(path: str) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []

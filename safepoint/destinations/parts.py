@@ -21,6 +21,7 @@ from safepoint.core.errors import FormatError
 from safepoint.core.format import (
     MANIFEST_NAME,
     MARKER_NAME,
+    PARTS_DIR,
     FileEntry,
     Manifest,
     build_manifest,
@@ -28,11 +29,9 @@ from safepoint.core.format import (
     load_committed,
     marker_for,
 )
-from safepoint.destinations.base import Destination
+from safepoint.destinations.base import Destination, SnapshotListing
 from safepoint.destinations.replica_commit import commit_replica
 
-#: control folder of the parts, relative to the snapshot folder at a destination
-PARTS_DIR = ".safepoint/parts"
 #: data files of a multi-node checkpoint MUST NOT live under this prefix
 RESERVED_PREFIX = ".safepoint/"
 
@@ -68,7 +67,7 @@ def check_part(m: Manifest) -> None:
 class PartDestination(Destination):
     """A view of a destination for one part: data files are shared, control files are the part's own.
 
-    `safepoint.replicate.replicate(snap, PartDestination(dest, key))` then uploads, reads back and
+    `safepoint.ops.replicate.replicate(snap, PartDestination(dest, key))` then uploads, reads back and
     commits the part with the exact rules of a whole snapshot, under the part's control folder.
     """
 
@@ -103,6 +102,9 @@ class PartDestination(Destination):
 
     def committed_snapshots(self) -> list[tuple[str, int]]:
         return self.inner.committed_snapshots()
+
+    def listing(self, run: str | None = None, step: int | None = None) -> dict[tuple[str, int], SnapshotListing]:
+        return self.inner.listing(run, step)
 
     def close(self) -> None:
         """The caller owns the inner destination."""

@@ -1,7 +1,7 @@
 """Commit markers as Prefect events, emitted once, confirmed, and never lost.
 
 Prefect has no file sensor, and an event sent while the server is unreachable is gone. So a
-watcher (safepoint.watch) does not trust an emission: it keeps every marker it has seen in a small
+watcher (safepoint.events.watch) does not trust an emission: it keeps every marker it has seen in a small
 on-disk spool until the *catalog* shows that an ingest of exactly that commit finished (an
 `ingest.done` event, written by the flow), and drives each spooled marker through this loop:
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from typing import Any, Protocol
 
 from safepoint.catalog.store import Catalog
 from safepoint.core.format import TMP_PREFIX, digest_bytes
+from safepoint.local.atomic import publish, write_replace
 from safepoint.local.snapshot import LocalSnapshot
 
 log = logging.getLogger("safepoint.events.markers")
@@ -143,12 +143,7 @@ class Spool:
         return self.folder / f"{eid}.json"
 
     def put(self, marker: Marker) -> None:
-        tmp = self.folder / f"{TMP_PREFIX}{marker.event_id}.json"
-        with open(tmp, "wb") as f:
-            f.write(marker.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path(marker.event_id))
+        write_replace(self._path(marker.event_id), marker.to_json())  # temp, fsync, rename, fsync the folder
 
     def has(self, eid: str) -> bool:
         return self._path(eid).exists()
@@ -165,7 +160,7 @@ class Spool:
                 out.append(Marker.from_json(p.read_bytes()))
             except (ValueError, TypeError, KeyError) as e:
                 log.warning("unreadable spool entry %s (%s); keeping it aside", p.name, e)
-                p.rename(p.with_suffix(".bad"))
+                publish(p, p.with_suffix(".bad"), sync=False)
         return out
 
 

@@ -26,7 +26,8 @@ from safepoint.core.verify import FileStatus, VerifyReport, verify_manifest
 def read_small(path: Path, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
     """Read a control file without following symlinks and without reading past `limit`."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO put in place of a control file must not block the reader
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return None
     except OSError as e:

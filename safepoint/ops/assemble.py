@@ -3,7 +3,7 @@
 The rules (docs/format.md, "Multi-node checkpoints"):
 
 - each node's ingest registers its part (catalog.record_commit merges files and ranks), replicates
-  it under the part's own control folder (safepoint.parts), and then tries to assemble;
+  it under the part's own control folder (safepoint.destinations.parts), and then tries to assemble;
 - assembling succeeds only when the catalog holds every expected rank *and* every part has
   committed at the destination; the ingest that succeeds moves the checkpoint to `replicated` and
   validates it. No ingest ever waits for another node: the last part to arrive finishes the set;
@@ -16,27 +16,26 @@ The rules (docs/format.md, "Multi-node checkpoints"):
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointRow
-from safepoint.core.config import Config, home
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
+from safepoint.core.config import Config
+from safepoint.core.errors import FormatError
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
-from safepoint.core.verify import FileStatus
 from safepoint.destinations import open_destination
-from safepoint.destinations.parts import Assembly, PartDestination, check_part, part_key
+from safepoint.destinations.parts import Assembly, check_part, part_key
 from safepoint.destinations.parts import assemble as assemble_parts
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops.replicate import Progress, ReplicaResult, replicate
+from safepoint.ops.fetch import fetched_copy
+from safepoint.ops.replicate import Progress, ReplicaResult
+from safepoint.ops.steps import replicate_to
 from safepoint.rules.completeness import Assessment, Completeness, assess
+from safepoint.rules.restore import Outcome, Source
 from safepoint.rules.settle import settle_replication
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -75,35 +74,12 @@ def assessment(catalog: Catalog, row: CheckpointRow, config: Config | None, now:
 def replicate_part_to(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
                       config: Config | None = None, *, progress: Progress | None = None,
                       attempts: int = 2) -> ReplicaResult:
-    """Replicate this node's part into the shared snapshot folder and commit it as a part there."""
-    config = config or Config()
-    m = snap.manifest
-    check_part(m)
-    key = part_key(m.held_ranks)
-    dest = open_destination(url, config.storage_options(url))
-    try:
-        snap_url = dest.snapshot_url(m.run, m.step)
-        known = {r.url: r.state for r in catalog.replicas(checkpoint_id)}
-        if known.get(snap_url) is not RS.VERIFIED:
-            catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
-        view = PartDestination(dest, key)
-        for _ in range(max(1, attempts)):
-            result = replicate(snap, view, progress=progress)
-            if result.state is not RS.CORRUPT:
-                break
-            dest.delete_files(m.run, m.step, [p for p, s in result.remote.items() if s is not FileStatus.OK])
-        catalog.add_event("part.replica", checkpoint_id=checkpoint_id, detail={
-            "part": key, "node": m.node, "ranks": list(m.held_ranks), "url": result.url,
-            "state": str(result.state), "error": result.error, "bytes_uploaded": result.bytes_uploaded,
-            "bytes_reused": result.bytes_reused,
-        })
-        if result.state is not RS.VERIFIED:
-            catalog.set_replica(checkpoint_id, snap_url, dest.url,
-                                RS.CORRUPT if result.state is RS.CORRUPT else RS.FAILED,
-                                error=f"part {key} ({m.node or 'no node'}): {result.error}")
-        return result
-    finally:
-        dest.close()
+    """Replicate this node's part into the shared snapshot folder and commit it as a part there.
+
+    The one recorded replicate (safepoint.ops.steps.replicate_to) does it; this name says what the caller means.
+    """
+    check_part(snap.manifest)
+    return replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress, attempts=attempts)
 
 
 @dataclass(frozen=True)
@@ -215,8 +191,10 @@ def assembled_snapshot(catalog: Catalog, checkpoint_id: int, config: Config | No
                        ) -> Iterator[LocalSnapshot]:
     """The assembled checkpoint as a local folder, to validate it (no node holds every shard).
 
-    A file:// replica is opened in place; any other replica is downloaded to a temporary folder
-    under $SAFEPOINT_HOME/tmp (removed afterwards) and opened there, marker checked as usual.
+    A file:// replica is opened in place; otherwise the verified replicas are fetched, best first,
+    through the one verified fetch (safepoint.ops.fetch: hashed as the bytes arrive, healed file by
+    file from the next replica) into a temporary folder under $SAFEPOINT_HOME/tmp, removed afterwards.
+    FormatError when no replica comes back whole.
     """
     config = config or Config()
     row = catalog.get_by_id(checkpoint_id)
@@ -227,21 +205,11 @@ def assembled_snapshot(catalog: Catalog, checkpoint_id: int, config: Config | No
     if local:
         yield LocalSnapshot.open(local[0].url[len("file://"):])
         return
-    rep = reps[0]
-    dest = open_destination(rep.destination, config.storage_options(rep.destination))
-    tmp_root = home() / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=f"assembled-{row.run}-{row.step}-", dir=tmp_root))
-    try:
-        fs = dest.fs  # type: ignore[attr-defined]
-        base = dest._path(row.run, row.step, "")  # type: ignore[attr-defined]
-        for name in (MANIFEST_NAME, MARKER_NAME):
-            (folder / name).write_bytes(dest.read_control(row.run, row.step, name) or b"")
-        for f in LocalSnapshot.open(folder).manifest.files:
-            target = folder.joinpath(*f.path.split("/"))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(base.rstrip("/") + "/" + f.path, str(target))
-        yield LocalSnapshot.open(folder)
-    finally:
-        dest.close()
-        shutil.rmtree(folder, ignore_errors=True)
+    sources = [Source(r.destination.rstrip("/"), r.url.rstrip("/")) for r in reps]
+    with fetched_copy(row.run, row.step, sources, config, expect_manifest=row.manifest_blake3,
+                      label="assembled") as (snap, result):
+        if snap is None:
+            why = "; ".join(f"{a.source.url}: {path}: {a.reason}" for path, tries in result.attempts.items()
+                            for a in tries if a.outcome is not Outcome.OK)
+            raise FormatError(f"{row.run}/{row.step}: no assembled replica came back whole ({why[:300]})")
+        yield snap

@@ -21,6 +21,7 @@ from safepoint.core.format import digest_bytes
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
+from safepoint.destinations.check import check_destinations
 from safepoint.destinations.parts import check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import assemble, progress, reconcile, steps
@@ -61,6 +62,7 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     to = list(destinations) or list(config.section("ingest").get("to", []))
     if not to:
         raise ValueError("no destination: pass `to` or set [ingest] to = [...] in config.toml")
+    check_destinations(to, config.storage_options)  # before any state changes: a bad one is one clear error
     t0 = time.perf_counter()
     snapshot = str(folder)
     try:

@@ -108,6 +108,18 @@ def _hold(catalog: Catalog, names: list[str], *, holder: str | None, ttl_s: floa
 
 
 @contextmanager
+def try_once(catalog: Catalog, name: str, *, ttl_s: float = 300.0) -> Iterator[bool]:
+    """Try lease `name` once and yield whether we hold it (reconcile never waits for a live ingest)."""
+    holder = default_holder()
+    got = catalog.acquire_lease(name, holder, ttl_s)
+    try:
+        yield got
+    finally:
+        if got:
+            catalog.release_lease(name, holder)
+
+
+@contextmanager
 def held(catalog: Catalog, name: str, *, holder: str | None = None, ttl_s: float = 60.0,
          wait_s: float = 3600.0, poll_s: float = 1.0) -> Iterator[str]:
     """Hold lease `name` for the block; wait up to `wait_s` for it (LeaseBusy after that)."""

@@ -1,6 +1,6 @@
 """Execute a retention plan: catalog marked first, then each replica's marker, then its files.
 
-The plan (safepoint.retention.plan) is pure and was made from a read of the catalog that may be
+The plan (safepoint.rules.retention.plan) is pure and was made from a read of the catalog that may be
 stale by now. `execute` therefore marks checkpoints `pruned` through catalog.mark_pruned, which
 re-runs the planner on a fresh read inside the marking transaction and marks only what both
 plans delete. Only then are files touched, in the order of docs/format.md (COMMITTED, then

@@ -4,12 +4,13 @@
 only when every byte there was BLAKE3-hashed as it arrived and matched the manifest that the
 source's COMMITTED marker binds (and that the catalog recorded). The order of work:
 
-1. choose the checkpoint (the pure resume rule, safepoint.decisions.resume_point);
+1. choose the checkpoint (the pure resume rule, safepoint.rules.resume);
 2. order its sources (safepoint.rules.restore.source_order): the local copy, then the replicas;
 3. read each source's marker and manifest; a source whose manifest is not the checkpoint's is bad;
-4. fetch the files, several at once (S3: parallel ranged GETs with pooled buffers), each into a
-   temporary name, hashed as it arrives, fsynced, then renamed; a file that fails is fetched from
-   the next source that holds it, and the source is recorded bad in the catalog with the reason;
+4. fetch the files (safepoint.ops.fetch, the one verified fetch), several at once (S3: parallel
+   ranged GETs with pooled buffers), each into a temporary name, hashed as it arrives, fsynced,
+   then renamed; a file that fails is fetched from the next source that holds it, and the source
+   is recorded bad in the catalog with the reason;
 5. MANIFEST.json, then COMMITTED, both fsynced: `into` is then a committed Safepoint snapshot.
 
 Files already in `into` that verify are reused, so a restore cut short (kill -9, a reset) is
@@ -23,49 +24,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from safepoint.catalog.store import Catalog, open_catalog
+from safepoint.core import resumed
 from safepoint.core.config import Config, load_config
-from safepoint.core.errors import DestinationError, FormatError, SafepointError, UsageError
-from safepoint.core.format import (
-    MANIFEST_NAME,
-    MARKER_NAME,
-    TMP_PREFIX,
-    FileEntry,
-    Manifest,
-    digest_bytes,
-    load_committed,
-)
-from safepoint.core.hashing import hash_path
-from safepoint.core.redact import redact
+from safepoint.core.errors import FormatError, SafepointError, UsageError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX, Manifest
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
-from safepoint.destinations import open_destination
-from safepoint.destinations.base import Destination, check_size
-from safepoint.destinations.local import copy_and_hash
-from safepoint.local.atomic import fsync_dir, fsync_file, write_replace
-from safepoint.local.snapshot import LocalSnapshot, read_small, resolve_inside
+from safepoint.local.atomic import fsync_dir, write_replace
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.fetch import Fetched, TargetDiskError, fetch_snapshot
+from safepoint.ops.fetch import seal as seal_snapshot
 from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.steps import settle_copies
 from safepoint.rules.restore import (
-    Attempt,
     Outcome,
     Source,
     TargetAction,
     Verdict,
-    checkpoint_verdict,
-    file_verdict,
     replica_findings,
-    reuse_plan,
     source_order,
     target_action,
 )
@@ -91,7 +75,10 @@ class TargetNotEmpty(RestoreError, UsageError):
 
 
 @dataclass
-class RestoreResult:
+class RestoreResult(os.PathLike):
+    """What a restore did; also the restored folder itself (`os.fspath`, `str`, `/`, `Path(...)`), so a
+    trainer's loader takes it as it is: `resume_from_checkpoint=os.fspath(safepoint.restore(run, into))`."""
+
     run: str
     step: int
     path: Path
@@ -107,72 +94,14 @@ class RestoreResult:
                 "bytes_fetched": self.bytes_fetched, "bytes_reused": self.bytes_reused,
                 "seconds": round(self.seconds, 3), "failed": self.failed, "fell_back_from": self.fell_back_from}
 
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
 
-# -- reading from one source ------------------------------------------------------------------
+    def __str__(self) -> str:
+        return os.fspath(self.path)
 
-class _Reader:
-    """One source's files: a destination's replica, or the node's committed local folder."""
-
-    def __init__(self, source: Source, run: str, step: int, dest: Destination | None):
-        self.source, self.run, self.step, self.dest = source, run, step, dest
-
-    def control(self, name: str) -> bytes | None:
-        if self.dest is None:
-            return read_small(Path(self.source.url) / name)
-        return self.dest.read_control(self.run, self.step, name)
-
-    def fetch(self, entry: FileEntry, target: Path, on_bytes: Callable[[int], None] | None) -> str:
-        """The file into `target`; FileNotFoundError when absent, FormatError when not the manifest's size."""
-        if self.dest is None:
-            src = resolve_inside(Path(self.source.url), entry.path)
-            try:
-                found: int | None = os.stat(src, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                found = None
-            check_size(found, entry.size, str(src))
-            return copy_and_hash(src, target, on_bytes)
-        # The destination checks the size itself, in the request that starts the read (one HEAD on S3).
-        return self.dest.fetch(self.run, self.step, entry.path, target, on_bytes, size=entry.size)
-
-    def close(self) -> None:
-        if self.dest is not None:
-            self.dest.close()
-
-
-class _DiskError(Exception):
-    """The folder being restored into failed (full, read-only): abort, the sources are not at fault."""
-
-
-def _open_reader(source: Source, run: str, step: int, config: Config) -> _Reader:
-    if source.local:
-        return _Reader(source, run, step, None)
-    return _Reader(source, run, step, open_destination(source.base, config.storage_options(source.base)))
-
-
-def _read_manifest(reader: _Reader, run: str, step: int, expect_blake3: str | None) -> tuple[Manifest, bytes, bytes]:
-    """The source's manifest, bound by its marker, for (run, step), and the catalog's if it has one.
-
-    FormatError: the source's copy is bad; FileNotFoundError: it has none; others: unreadable.
-    """
-    marker = reader.control(MARKER_NAME)
-    if marker is None:
-        raise FileNotFoundError("no COMMITTED marker")
-    manifest_bytes = reader.control(MANIFEST_NAME)
-    manifest = load_committed(manifest_bytes, marker)
-    assert manifest_bytes is not None
-    if (manifest.run, manifest.step) != (run, step):
-        raise FormatError(f"its manifest is of {manifest.run}/{manifest.step}")
-    if expect_blake3 is not None and digest_bytes(manifest_bytes) != expect_blake3:
-        raise FormatError("its MANIFEST.json is not the one the catalog recorded (a stale or foreign copy)")
-    return manifest, manifest_bytes, marker
-
-
-def _classify(e: BaseException) -> tuple[Outcome, str]:
-    if isinstance(e, FileNotFoundError):
-        return Outcome.MISSING, "missing"
-    if isinstance(e, FormatError):
-        return Outcome.BAD, str(e)
-    return Outcome.ERROR, redact(str(e)) or type(e).__name__
+    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
+        return self.path / other
 
 
 # -- the target folder ------------------------------------------------------------------------
@@ -229,18 +158,6 @@ def _remove_extras(into: Path, manifest: Manifest) -> None:
                 p.rmdir()
 
 
-def _on_disk(into: Path, entries: Sequence[FileEntry]) -> dict[str, int | None]:
-    """Size of each manifest file already in the folder (None: absent, or not a regular file)."""
-    sizes: dict[str, int | None] = {}
-    for e in entries:
-        try:
-            st = os.stat(resolve_inside(into, e.path), follow_symlinks=False)
-            sizes[e.path] = st.st_size if stat.S_ISREG(st.st_mode) else None
-        except (FileNotFoundError, NotADirectoryError, FormatError):
-            sizes[e.path] = None
-    return sizes
-
-
 # -- the steps ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -279,154 +196,38 @@ def choose(catalog: Catalog, run: str, step: int | None, *, min_replicas: int = 
     return _Choice(c.id, c.step, row.manifest_blake3, c.local_path, reps, c.total_bytes)
 
 
-@dataclass
-class _Fetched:
-    verdict: Verdict
-    attempts: dict[str, list[Attempt]]
-    manifest: Manifest | None = None
-    manifest_bytes: bytes = b""
-    marker_bytes: bytes = b""
-    used: list[str] = field(default_factory=list)
-    fetched: int = 0
-    reused: int = 0
-
-
 def fetch_checkpoint(run: str, choice: _Choice, sources: Sequence[Source], into: Path, *, force: bool,
                      config: Config, files_at_once: int = 8,
-                     on_bytes: Callable[[int], None] | None = None) -> _Fetched:
-    """Steps 3 and 4: find the manifest, then every file whole in `into` (not yet committed)."""
-    readers = [_open_reader(s, run, choice.step, config) for s in sources]
+                     on_bytes: Callable[[int], None] | None = None) -> Fetched:
+    """Steps 3 and 4 (safepoint.ops.fetch): find the manifest, then every file whole in `into` (not committed)."""
+
+    def prepare(manifest: Manifest, manifest_blake3: str) -> None:
+        action = _prepare_target(into, (run, choice.step), force)
+        if action is not TargetAction.FRESH:
+            _unmark(into)
+        state = {"run": run, "step": choice.step, "manifest_blake3": manifest_blake3}
+        write_replace(into / STATE_NAME, json.dumps(state).encode())
+        _remove_extras(into, manifest)
+
     try:
-        return _fetch(run, choice, readers, into, force=force, files_at_once=files_at_once, on_bytes=on_bytes)
-    finally:
-        for r in readers:
-            r.close()
+        return fetch_snapshot(run, choice.step, sources, into, config=config, expect_manifest=choice.manifest_blake3,
+                              files_at_once=files_at_once, on_bytes=on_bytes, prepare=prepare)
+    except TargetDiskError as e:
+        raise RestoreError(f"{e}; nothing was committed "
+                           "(free space and run the restore again: files that verify are kept)") from e.__cause__
 
 
-def _fetch(run: str, choice: _Choice, readers: list[_Reader], into: Path, *, force: bool, files_at_once: int,
-           on_bytes: Callable[[int], None] | None) -> _Fetched:
-    attempts: dict[str, list[Attempt]] = {}
-    good: list[_Reader] = []
-    manifest = None
-    manifest_bytes = marker_bytes = b""
-    expect = choice.manifest_blake3
-    for r in readers:
-        try:
-            m, mb, kb = _read_manifest(r, run, choice.step, expect)
-        except Exception as e:  # noqa: BLE001 - classified: bad, missing or unreadable
-            outcome, reason = _classify(e)
-            attempts.setdefault(MANIFEST_NAME, []).append(Attempt(r.source, outcome, reason))
-            continue
-        if manifest is None:
-            manifest, manifest_bytes, marker_bytes, expect = m, mb, kb, digest_bytes(mb)
-        good.append(r)
-    if manifest is None:
-        verdict = file_verdict(attempts.get(MANIFEST_NAME, []), len(readers)) or Verdict.NO_COPY
-        return _Fetched(verdict if readers else Verdict.NO_COPY, attempts)
-    out = _Fetched(Verdict.WHOLE, attempts, manifest, manifest_bytes, marker_bytes)
-
-    action = _prepare_target(into, (run, choice.step), force)
-    if action is not TargetAction.FRESH:
-        _unmark(into)
-    (into / STATE_NAME).write_text(json.dumps({"run": run, "step": choice.step, "manifest_blake3": expect}))
-    _remove_extras(into, manifest)
-
-    expected = {f.path: f.size for f in manifest.files}
-    rehash, to_fetch = reuse_plan(expected, _on_disk(into, manifest.files))
-    by_path = {f.path: f for f in manifest.files}
-    for path in rehash:
-        if hash_path(resolve_inside(into, path))[1] == by_path[path].blake3:
-            out.reused += by_path[path].size
-            if on_bytes is not None:
-                on_bytes(by_path[path].size)
-        else:
-            to_fetch.append(path)
-    lock, stop = threading.Lock(), threading.Event()
-    used: set[str] = set()
-
-    def one(entry: FileEntry) -> Verdict:
-        final = resolve_inside(into, entry.path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
-        tries: list[Attempt] = []
-        for r in good:
-            if stop.is_set():
-                return Verdict.UNREADABLE
-            outcome, reason = _fetch_one(r, entry, tmp, final, on_bytes)
-            tries.append(Attempt(r.source, outcome, reason))
-            if outcome is Outcome.OK:
-                with lock:
-                    used.add(r.source.url)
-                break
-        with lock:
-            attempts.setdefault(entry.path, []).extend(tries)
-        return file_verdict(tries, len(good)) or Verdict.NO_COPY
-
-    entries = sorted((by_path[p] for p in to_fetch), key=lambda f: -f.size)  # big first: even the load
-    verdicts: list[Verdict] = []
-    disk_error: BaseException | None = None
-    # Memory is bounded by each source's buffer pool, not by `files_at_once`. Eight at once lets the
-    # shards of a typical checkpoint move together: with four, the files ended in waves, and each
-    # wave's fsyncs and HEADs left the connections idle (8 x 128 MiB: about 3-7% slower, measured).
-    with ThreadPoolExecutor(max(1, files_at_once), thread_name_prefix="safepoint-restore") as pool:
-        futures = [pool.submit(one, e) for e in entries]
-        for fut in futures:
-            try:
-                verdicts.append(fut.result())
-            except _DiskError as e:
-                stop.set()
-                disk_error = disk_error or e.__cause__ or e
-    if disk_error is not None:
-        msg = disk_error.strerror if isinstance(disk_error, OSError) and disk_error.strerror else str(disk_error)
-        raise RestoreError(f"could not write into {into}: {msg}; nothing was committed "
-                           "(free space and run the restore again: files that verify are kept)") from disk_error
-    out.verdict = checkpoint_verdict(verdicts)
-    out.used = [r.source.url for r in good if r.source.url in used]
-    out.fetched = sum(by_path[p].size for p in to_fetch)
-    return out
-
-
-def _fetch_one(r: _Reader, entry: FileEntry, tmp: Path, final: Path,
-               on_bytes: Callable[[int], None] | None) -> tuple[Outcome, str]:
-    """One file from one source into `tmp`, verified, fsynced, renamed to `final`."""
-    try:
-        digest = r.fetch(entry, tmp, on_bytes)  # FileNotFoundError: missing; FormatError: another size
-        got = os.stat(tmp).st_size
-        if got != entry.size:
-            tmp.unlink(missing_ok=True)
-            return Outcome.BAD, f"{got} bytes arrived, the manifest says {entry.size}"
-        if digest != entry.blake3:
-            tmp.unlink(missing_ok=True)
-            return Outcome.BAD, "BLAKE3 mismatch: the bytes are not the manifest's"
-        fsync_file(tmp)
-        os.replace(tmp, final)
-        return Outcome.OK, ""
-    except (FileNotFoundError, DestinationError, FormatError) as e:
-        tmp.unlink(missing_ok=True)
-        return _classify(e)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _DiskError(str(e)) from e
-    except Exception as e:  # noqa: BLE001 - a store's own exception type: unreadable, not bad
-        tmp.unlink(missing_ok=True)
-        return _classify(e)
-
-
-def seal(into: Path, fetched: _Fetched) -> None:
+def seal(into: Path, fetched: Fetched) -> None:
     """Step 5: fsync the folders, then MANIFEST.json, then COMMITTED (exactly the source's bytes)."""
-    for dirpath, _dirs, _files in os.walk(into):
-        fsync_dir(Path(dirpath))
     try:
-        write_replace(into / MANIFEST_NAME, fetched.manifest_bytes)
-        write_replace(into / MARKER_NAME, fetched.marker_bytes)
+        seal_snapshot(into, fetched)
     except OSError as e:
-        (into / MARKER_NAME).unlink(missing_ok=True)
         raise RestoreError(f"could not commit {into}: {e.strerror or e}; nothing was committed") from e
     (into / STATE_NAME).unlink(missing_ok=True)
     fsync_dir(into)
 
 
-def record_findings(catalog: Catalog, choice: _Choice, fetched: _Fetched) -> list[dict[str, str]]:
+def record_findings(catalog: Catalog, choice: _Choice, fetched: Fetched) -> list[dict[str, str]]:
     """Mark each replica found bad (corrupt or missing, with the reason); settle the checkpoint."""
     failed = []
     for source, (state, reason) in replica_findings(fetched.attempts).items():
@@ -491,6 +292,7 @@ def restore(
                                    time.perf_counter() - t0, failed_all, fell_back)
             catalog.add_event(EVENT, checkpoint_id=choice.checkpoint_id,
                               detail={**result.to_dict(), "path": str(target)})
+            resumed.note_resumed(run, choice.step)  # the next checkpoint sealed here follows this one
             return result
         reason = "no whole copy" if fetched.verdict is Verdict.NO_COPY else "copies could not be read"
         catalog.add_event(f"{EVENT}.failed", checkpoint_id=choice.checkpoint_id,

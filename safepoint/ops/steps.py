@@ -25,6 +25,7 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.core.verify import FileStatus
 from safepoint.destinations import open_destination
+from safepoint.destinations.parts import PartDestination, check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot, read_small
 from safepoint.ops.replicate import Progress, ReplicaResult, replicate
 from safepoint.rules.settle import settle_replication
@@ -68,29 +69,51 @@ def replicate_to(
     catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str, config: Config | None = None,
     *, attempts: int = 2, progress: Progress | None = None,
 ) -> ReplicaResult:
-    """Replicate to one destination and record the replica. A replica that reads back wrong is re-sent once."""
+    """Replicate to one destination and record the replica: the one recorded replicate, whole or part.
+
+    A replica that reads back wrong is re-sent once. An upload that raises (disk full, EIO, a network
+    that gave up) marks the replica `failed` and is raised: never left `pending`; the caller (a
+    Prefect retry, the next ingest) sends it again, nothing is trusted. This node's part of a
+    multi-node checkpoint goes under its own control folder (safepoint.destinations.parts); its
+    replica row becomes verified only when the set is assembled (safepoint.ops.assemble).
+    """
     config = config or Config()
+    m = snap.manifest
+    key = None
+    if is_part(m):
+        check_part(m)
+        key = part_key(m.held_ranks)
     dest = open_destination(url, config.storage_options(url))
     try:
-        snap_url = dest.snapshot_url(snap.manifest.run, snap.manifest.step)
-        catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
+        snap_url = dest.snapshot_url(m.run, m.step)
+        known = {r.url: r.state for r in catalog.replicas(checkpoint_id)} if key is not None else {}
+        if known.get(snap_url) is not RS.VERIFIED:
+            catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.PENDING)
+        target = dest if key is None else PartDestination(dest, key)
+        why = "" if key is None else f"part {key} ({m.node or 'no node'}): "
         for _ in range(max(1, attempts)):
             try:
-                result = replicate(snap, dest, progress=progress)
+                result = replicate(snap, target, progress=progress)
             except (OSError, SafepointError) as e:
-                # Disk full, EIO, a network that gave up: never leave the replica `pending`. The
-                # caller (a Prefect retry, the next ingest) sends it again; nothing is trusted.
-                catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.FAILED, error=_why(e))
+                catalog.set_replica(checkpoint_id, snap_url, dest.url, RS.FAILED, error=why + _why(e))
                 raise
             if result.state is not RS.CORRUPT:
                 break
             # Remove what read back wrong so the next attempt uploads it again.
-            dest.delete_files(snap.manifest.run, snap.manifest.step,
-                              [p for p, s in result.remote.items() if s is not FileStatus.OK])
-        catalog.set_replica(
-            checkpoint_id, result.url, result.destination, result.state,
-            bytes=snap.manifest.total_bytes if result.state is RS.VERIFIED else 0, error=result.error,
-        )
+            dest.delete_files(m.run, m.step, [p for p, s in result.remote.items() if s is not FileStatus.OK])
+        if key is None:
+            catalog.set_replica(checkpoint_id, result.url, result.destination, result.state,
+                                bytes=m.total_bytes if result.state is RS.VERIFIED else 0, error=result.error,
+                                proof=result.proof if result.state is RS.VERIFIED else None)
+            return result
+        catalog.add_event("part.replica", checkpoint_id=checkpoint_id, detail={
+            "part": key, "node": m.node, "ranks": list(m.held_ranks), "url": result.url,
+            "state": str(result.state), "error": result.error, "bytes_uploaded": result.bytes_uploaded,
+            "bytes_reused": result.bytes_reused,
+        })
+        if result.state is not RS.VERIFIED:
+            catalog.set_replica(checkpoint_id, snap_url, dest.url,
+                                RS.CORRUPT if result.state is RS.CORRUPT else RS.FAILED, error=why + str(result.error))
         return result
     finally:
         dest.close()

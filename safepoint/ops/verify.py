@@ -61,7 +61,8 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
         dest.close()
     if found:
         row, _rep = found
-        catalog.set_replica(row.id, snap_url, dest.url, state, error=None if state is RS.VERIFIED else report.summary())
+        catalog.set_replica(row.id, snap_url, dest.url, state, error=None if state is RS.VERIFIED else report.summary(),
+                            proof="read-back" if state is RS.VERIFIED else None)
         settle_copies(catalog, row.id)
     return report, snap_url
 

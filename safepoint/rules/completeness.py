@@ -3,7 +3,7 @@
 A checkpoint written by many nodes is complete when every expected rank has delivered its part.
 Nothing ever waits for the missing ranks: the last part to arrive finds the set complete, and a
 periodic check calls `assess` to give up on a set that stayed partial past its timeout. A late
-part after that re-opens the set (see `safepoint.assemble`).
+part after that re-opens the set (see `safepoint.ops.assemble`).
 """
 
 from __future__ import annotations

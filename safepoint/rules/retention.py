@@ -11,7 +11,7 @@ with invariants that no policy can override:
    (so invariants 1 and 2 keep more, older, good ones instead);
 
 and pinned checkpoints are never deleted. Everything else no policy keeps is deleted. `plan` is
-pure (no clock, no I/O: `now` is a parameter); safepoint.prune.execute does the deleting.
+pure (no clock, no I/O: `now` is a parameter); safepoint.ops.prune.execute does the deleting.
 """
 
 from __future__ import annotations

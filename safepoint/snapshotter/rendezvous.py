@@ -12,12 +12,12 @@ by an earlier, crashed attempt at the same step from being taken for a fresh one
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MARKER_NAME, TMP_PREFIX, FileEntry, Manifest, safe_relpath
+from safepoint.local.atomic import write_replace
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.snapshotter.errors import CommitTimeout, SnapshotError
 
@@ -33,26 +33,11 @@ def missing_ranks(present: set[int], world_size: int) -> list[int]:
     return [r for r in range(world_size) if r not in present]
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_done(folder: Path, rank: int, world_size: int, session: str, files: list[FileEntry]) -> None:
     """Durably announce that `rank` has written `files` (write, fsync, rename, fsync folder)."""
     doc = {"format": "safepoint.rank-done", "version": DONE_VERSION, "rank": rank, "world_size": world_size,
            "session": session, "files": [{"path": f.path, "size": f.size, "blake3": f.blake3} for f in files]}
-    final = folder / done_name(rank)
-    tmp = folder / (done_name(rank) + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(doc).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(folder)
+    write_replace(folder / done_name(rank), json.dumps(doc).encode())  # safepoint.local.atomic
 
 
 def remove_done(folder: Path, rank: int) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from safepoint.core.format import TMP_PREFIX, FileEntry, Manifest
 from safepoint.core.hashing import new_hasher
+from safepoint.local.atomic import publish
 from safepoint.snapshotter.errors import SnapshotError
 from safepoint.snapshotter.layout import FileLayout
 from safepoint.snapshotter.pool import BufferPool
@@ -250,12 +251,7 @@ class Writer:
             os.fsync(job.fd)  # a failed fsync is final: the file is removed, nothing is committed
             os.close(job.fd)
             job.fd = None
-            os.replace(job.tmp_path, job.folder / job.name)
-            dfd = os.open(job.folder, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            publish(job.tmp_path, job.folder / job.name, sync=False)  # fsynced above; rename, fsync the folder
             job.stats.write_s = time.perf_counter() - (job.started or time.perf_counter())
             entry = FileEntry(job.name, job.layout.total_bytes, job.hasher.hexdigest())
         except BaseException as e:

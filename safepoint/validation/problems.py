@@ -28,7 +28,7 @@ class Problem(str, Enum):
     OPAQUE = "opaque"            # a pickle the weights-only unpickler refuses (no code named): not loaded
     MALFORMED = "malformed"      # the bytes break the format (bad header, bad offsets, bad metadata)
     MISSING = "missing"          # a file the snapshot needs is absent
-    # Strict dry-run load against the model factory (safepoint.harness):
+    # Strict dry-run load against the model factory (safepoint.validation.harness):
     MISSING_KEY = "missing_key"        # the model expects a tensor the checkpoint lacks
     UNEXPECTED_KEY = "unexpected_key"  # the checkpoint has a model tensor the model does not know
     SHAPE = "shape"                    # a tensor's shape differs from the model's
@@ -36,14 +36,15 @@ class Problem(str, Enum):
     OPTIMIZER = "optimizer"            # optimizer state does not match the optimizer's parameter groups
     STEP = "step"                      # the step recorded inside the checkpoint is not the catalog's
     LOAD = "load"                      # the model's own load_state_dict (dry run on meta) refused it
-    # Numerical audit against the previous verified checkpoint (safepoint.audit):
+    # Numerical audit against the previous verified checkpoint (safepoint.validation.audit):
     NORM_JUMP = "norm_jump"            # a tensor's norm moved by more than the configured factor
+    MAGNITUDE = "magnitude"            # a parameter's |x| beyond max_abs_parameter (safepoint.rules.magnitude)
     # Consistency with the previous verified checkpoint (safepoint.rules.consistency), named as its rules:
     STALE_OPTIMIZER = "stale_optimizer"  # every optimizer tensor byte-identical while the parameters moved
     STALE_WEIGHTS = "stale_weights"      # every parameter byte-identical while the optimizer state moved
     DUPLICATE = "duplicate"              # the whole state byte-identical to an earlier step
     TORN = "torn"                        # the optimizer's step counter disagrees with the trainer's or the catalog's
-    # The validation sandbox (safepoint.sandbox):
+    # The validation sandbox (safepoint.validation.sandbox):
     LIMIT = "limit"                    # validation ran past its memory, CPU or wall-clock limit
 
     def __str__(self) -> str:

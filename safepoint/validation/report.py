@@ -1,7 +1,7 @@
 """The validation report for people, rendered from what the catalog stored (pure functions).
 
 One source, three views: the Prefect artifacts of the validate task (markdown, and a table of
-tensors) and `safepoint show RUN STEP` in the terminal (safepoint.cli_validation). Every failure
+tensors) and `safepoint show RUN STEP` in the terminal (safepoint.cli.validation_cmds). Every failure
 names its tensor (or file) and says why, in the words the validator wrote.
 """
 

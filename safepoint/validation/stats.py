@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from safepoint.core.states import CheckpointState
+from safepoint.rules.magnitude import DEFAULT_MAX_ABS_PARAMETER
 
 __all__ = [
     "DIGEST_HEX", "HEAD_BYTES", "Baseline", "Jump", "TensorStat", "Thresholds", "baseline_from_catalog",
@@ -93,6 +94,7 @@ class Thresholds:
     rms_floor: float = 1e-2
     min_numel: int = 2
     ignore: tuple[str, ...] = ()
+    max_abs_parameter: float | None = DEFAULT_MAX_ABS_PARAMETER  # safepoint.rules.magnitude; 0: off
 
 
 @dataclass(frozen=True)

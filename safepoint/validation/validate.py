@@ -3,12 +3,12 @@
 `validate_snapshot(folder)` reads every checkpoint file of a snapshot the safe way (torch.save files
 with the weights-only unpickler, memory-mapped; safetensors after checking the header; DCP folders
 with a restricted metadata unpickler and no process group) and streams every tensor, model and
-optimizer state alike, piece by piece through the numerical audit (safepoint.audit: NaN/Inf, L2
+optimizer state alike, piece by piece through the numerical audit (safepoint.validation.audit: NaN/Inf, L2
 norm, max |x|). Peak memory is one piece per tensor, not one file: read pages are released as soon
 as they are used. Each byte is read once; hashing is the replicator's job, not repeated here.
 
 On top of what loading alone catches, validation can run:
-- a strict dry-run load against the user's model factory (safepoint.harness): missing, unexpected
+- a strict dry-run load against the user's model factory (safepoint.validation.harness): missing, unexpected
   and renamed keys, shape and dtype mismatches, optimizer state vs parameter groups, recorded step
   vs the catalog's step;
 - a norm-jump audit against the previous verified checkpoint of the run (`baseline`);
@@ -147,6 +147,7 @@ def validate_snapshot(
     if baseline is not None and not unreadable:
         v.run_audit(baseline)
     if not unreadable:
+        v.run_bounds()
         v.run_consistency(baseline, step)
     if settings.check_step and not unreadable:
         v.run_step_check(step)
@@ -178,7 +179,7 @@ def _input_bytes(folder: Path, files: list[str]) -> tuple[int, int]:
 
 
 def _run_in_sandbox(v: Judge, files: list[str]) -> None:
-    """v.run(files) in a child process with memory, CPU and wall-clock limits (safepoint.sandbox)."""
+    """v.run(files) in a child process with memory, CPU and wall-clock limits (safepoint.validation.sandbox)."""
     limits = v.settings.sandbox
     nbytes, mapped = _input_bytes(v.folder, files)
     out = run_limited(READER, (os.fspath(v.folder), files, v.settings, v.heads), limits, input_bytes=nbytes,

@@ -29,9 +29,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from safepoint.catalog.views import CheckpointView, ReplicaView
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
-from safepoint.ops.reconcile import Action, Found, Known, Remote, Settle, decide, plan_checkpoint
 from safepoint.rules import retention
 from safepoint.rules.completeness import Completeness, assess
+from safepoint.rules.reconcile import Action, Found, Known, Remote, Settle, decide, plan_checkpoint
 from safepoint.rules.resume import PENDING, is_good, resume_point
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -23,17 +23,9 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.local.commit import commit
 from safepoint.ops import ingest as pipeline
 from safepoint.ops import steps
-from safepoint.ops.reconcile import (
-    Action,
-    Found,
-    Known,
-    Remote,
-    Settle,
-    decide,
-    plan_checkpoint,
-    reconcile,
-)
+from safepoint.ops.reconcile import reconcile
 from safepoint.ops.resume import find_resume_point
+from safepoint.rules.reconcile import Action, Found, Known, Remote, Settle, decide, plan_checkpoint
 from tests.faults.conftest import figures
 from tests.faults.world import World, check, copy_template
 

@@ -2,9 +2,9 @@
 
 DCP's `.metadata` is a pickle (protocol 4) that torch itself reads with plain `pickle.load`, and
 torch's weights-only unpickler (torch 2.13) refuses protocol 4 (FRAME, SHORT_BINUNICODE, ...). So it is
-decoded by our own reader of the opcode stream (safepoint.loaders.dcp_metadata), which builds DCP's
+decoded by our own reader of the opcode stream (safepoint.validation.loaders.dcp_metadata), which builds DCP's
 metadata dataclasses from checked plain values and never imports, calls or hashes anything the file
-names; each tensor's chunks must then tile it exactly (safepoint.loaders.dcp_tiling). Tensor chunks
+names; each tensor's chunks must then tile it exactly (safepoint.validation.loaders.dcp_tiling). Tensor chunks
 and non-tensor entries are read directly from the `.distcp` files at the offsets in the metadata and loaded with
 `torch.load(weights_only=True)`; tensors are reassembled to their global shape one at a time.
 """

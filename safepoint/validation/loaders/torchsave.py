@@ -74,7 +74,7 @@ def load_torch(path: str | os.PathLike) -> object:
 
 def torch_load_safely(source: str | os.PathLike | IO[bytes], *, mmap: bool = False) -> object:
     """torch.load(source, map_location="cpu", weights_only=True), with the numpy allow-list
-    (safepoint.loaders.allowlist); any failure becomes a LoadError.
+    (safepoint.validation.loaders.allowlist); any failure becomes a LoadError.
 
     A refusal is OPAQUE (not loaded, not damage) when the pickle names no global that could run
     code, UNSAFE when it does.
