@@ -11,12 +11,13 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from safepoint.catalog import listing
 from safepoint.catalog.base import C, CatalogBase, norm_path
-from safepoint.catalog.models import Checkpoint, CheckpointFile, CheckpointRank, Run, utcnow
+from safepoint.catalog.models import Checkpoint, CheckpointFile, CheckpointRank, Replica, Run, utcnow
 from safepoint.catalog.views import CheckpointRow, CheckpointView
 from safepoint.core.errors import CatalogError
 from safepoint.core.format import FileEntry, Manifest
-from safepoint.core.states import CheckpointState
+from safepoint.core.states import CheckpointState, ReplicaState
 
 # A re-commit with a different manifest may replace the files only while nothing downstream
 # (replication, validation) relies on them.
@@ -70,7 +71,10 @@ class Commits(CatalogBase):
 
         Same run/step and same manifest digest: returns the existing row unchanged. A different
         manifest replaces files only in a state where nothing downstream used them (REPLACEABLE),
-        else CatalogError. A part (ranks a strict subset of the world) merges into the checkpoint.
+        or when it says it supersedes the cataloged one (`meta["supersedes"]`, written by a re-seal
+        of a re-saved folder): a new version, whose old replicas are marked deleted (the bytes of
+        an abandoned branch, never kept under this step), with a `resealed` event; else CatalogError.
+        A part (ranks a strict subset of the world) merges into the checkpoint.
         ``manifest.meta["tags"]`` (list of str) and ``meta["metrics"]`` (object) seed tags/metrics.
         """
         for attempt in range(5):
@@ -164,12 +168,24 @@ class Commits(CatalogBase):
             return self._merge_part(s, ck, m, blake, local_path)
         if ck.manifest_blake3 == blake:
             return self._row(s, ck, m.run)
-        if state not in REPLACEABLE:
+        supersedes = m.meta.get("supersedes")
+        resealed = supersedes is not None and supersedes == ck.manifest_blake3
+        if state not in REPLACEABLE and not resealed:
             raise CatalogError(
                 f"{m.run}/{m.step} is already cataloged with another manifest and is {state}; "
-                "refusing to replace its files"
+                "refusing to replace its files (a folder a trainer re-saved is sealed again with "
+                "`safepoint commit --reseal`, which records the manifest it supersedes)"
             )
         old = ck.manifest_blake3
+        old_parent = {"run": ck.parent_run, "step": ck.parent_step} if ck.parent_run else None
+        dropped: list[str] = []
+        if resealed:
+            dropped = list(s.execute(sa.select(Replica.url).where(
+                Replica.checkpoint_id == ck.id, Replica.state != ReplicaState.DELETED.value)).scalars())
+            s.execute(sa.update(Replica).where(Replica.checkpoint_id == ck.id)
+                      .values(state=ReplicaState.DELETED.value, verified_at=None, updated_at=now,
+                              error="superseded: the step was re-saved and sealed again")
+                      .execution_options(synchronize_session=False))
         s.execute(sa.delete(CheckpointFile).where(CheckpointFile.checkpoint_id == ck.id))
         s.execute(sa.delete(CheckpointRank).where(CheckpointRank.checkpoint_id == ck.id))
         ck.state, ck.version, ck.error = C.COMMITTED.value, ck.version + 1, None
@@ -185,9 +201,12 @@ class Commits(CatalogBase):
         s.flush()
         self._add_files_and_ranks(s, ck.id, m, blake, local_path, m.files)
         self._refresh_totals(s, ck)
-        self._event(s, "recommit", checkpoint_id=ck.id, run_id=run_id,
-                    detail={"from": state.value, "to": C.COMMITTED.value, "old_manifest_blake3": old,
-                            "manifest_blake3": blake})
+        detail: dict[str, Any] = {"from": state.value, "to": C.COMMITTED.value, "old_manifest_blake3": old,
+                                  "manifest_blake3": blake}
+        if resealed:
+            detail.update(version=ck.version, old_parent=old_parent, replicas_superseded=dropped,
+                          parent={"run": m.parent[0], "step": m.parent[1]} if m.parent else None)
+        self._event(s, "resealed" if resealed else "recommit", checkpoint_id=ck.id, run_id=run_id, detail=detail)
         s.flush()
         return self._row(s, ck, m.run)
 
@@ -276,13 +295,10 @@ class Commits(CatalogBase):
 
     def list_checkpoints(self, run: str | None = None,
                          states: Iterable[CheckpointState] | None = None) -> list[CheckpointView]:
-        """Checkpoints with lineage and replicas, ordered by run then step (two queries, no N+1)."""
-        where: list[Any] = []
-        if run is not None:
-            where.append(Run.name == run)
-        if states is not None:
-            where.append(Checkpoint.state.in_([C(x).value for x in states]))
-        q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
-             .order_by(Run.name, Checkpoint.step))
+        """Checkpoints with lineage and replicas, ordered by run then step (two queries, no N+1).
+
+        The SQL is catalog.listing's, which `safepoint ls` also runs with sqlite3 alone."""
+        checkpoints, replicas, params = listing.statements(run, states)
         with self._read() as s:
-            return self._views(s, q, replicas_where=where)
+            return listing.views(s.execute(sa.text(checkpoints), params).all(),
+                                 s.execute(sa.text(replicas), params).all())

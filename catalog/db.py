@@ -20,6 +20,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 
+from safepoint.catalog.revision import HEAD_REVISION
+
 if TYPE_CHECKING:
     from alembic.config import Config
 
@@ -28,10 +30,8 @@ __all__ = [
     "ensure_schema", "dispose", "alembic_config", "MIGRATION_LOCK_KEY", "HEAD_REVISION",
 ]
 
-# The newest migration in migrations/versions (tests/test_migrations.py checks it is Alembic's only
-# head). A catalog already there is used without importing Alembic or scanning its scripts (~0.4 s
-# of every CLI command's start).
-HEAD_REVISION = "0003_tensor_digests"
+# HEAD_REVISION (catalog.revision): a catalog already there is used without importing Alembic or
+# scanning its scripts (~0.4 s of every CLI command's start).
 
 # pg_advisory_xact_lock key serializing concurrent upgrades (any constant; "safepoint" in hex-ish).
 MIGRATION_LOCK_KEY = 0x5AFE_9017_0001

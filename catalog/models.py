@@ -159,6 +159,8 @@ class Replica(Base):
     error: Mapped[str | None] = mapped_column(sa.Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    # how a verified replica was shown to hold the manifest's bytes: "read-back", "s3-sha256", ...
+    proof: Mapped[str | None] = mapped_column(sa.String(32), nullable=True)
 
 
 class Validation(Base):
@@ -193,6 +195,9 @@ class TensorStat(Base):
     head: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
     digest: Mapped[str | None] = mapped_column(sa.String(64), nullable=True)
     value: Mapped[float | None] = mapped_column(sa.Float, nullable=True)
+    # Where the tensor was read from and what it is (safepoint.validation.roles), for the tensor table.
+    file: Mapped[str | None] = mapped_column(sa.Text, nullable=True)
+    role: Mapped[str | None] = mapped_column(sa.String(32), nullable=True)
 
 
 class Event(Base):

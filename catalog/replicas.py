@@ -19,8 +19,11 @@ class Replicas(CatalogBase):
     """One row per (checkpoint, snapshot URL), credentials stripped."""
 
     def set_replica(self, checkpoint_id: int, url: str, destination: str, state: ReplicaState, *,
-                    bytes: int = 0, error: str | None = None) -> bool:  # noqa: A002 - API name
+                    bytes: int = 0, error: str | None = None, proof: str | None = None) -> bool:  # noqa: A002
         """Upsert the replica at snapshot `url` (credentials stripped); logs an event on change.
+
+        `proof` (with `verified`): what showed the bytes are the manifest's ("read-back", "s3-sha256");
+        None keeps the one recorded. Any other state clears it: nothing vouches for those bytes now.
 
         Returns False, changing nothing, for a pruned checkpoint unless `state` is `deleted`: a
         scrub or upload that finishes after retention marked the checkpoint must not bring back
@@ -42,13 +45,15 @@ class Replicas(CatalogBase):
             ins = self._insert(Replica).values(
                 checkpoint_id=checkpoint_id, url=url, destination=destination, state=state.value, bytes=int(bytes),
                 error=error, verified_at=now if state == ReplicaState.VERIFIED else None,
-                created_at=now, updated_at=now,
+                created_at=now, updated_at=now, proof=proof if state == ReplicaState.VERIFIED else None,
             )
             set_: dict[str, Any] = {"destination": ins.excluded.destination, "state": ins.excluded.state,
                                     "bytes": ins.excluded.bytes, "error": ins.excluded.error,
                                     "updated_at": ins.excluded.updated_at}
             if state == ReplicaState.VERIFIED:
                 set_["verified_at"] = ins.excluded.verified_at
+            if proof is not None or state != ReplicaState.VERIFIED:
+                set_["proof"] = ins.excluded.proof
             try:
                 s.execute(ins.on_conflict_do_update(index_elements=["checkpoint_id", "url"], set_=set_))
             except IntegrityError as e:
@@ -63,7 +68,7 @@ class Replicas(CatalogBase):
     def _replica_row(r: Replica) -> ReplicaRow:
         return ReplicaRow(id=r.id, checkpoint_id=r.checkpoint_id, url=r.url, destination=r.destination,
                           state=ReplicaState(r.state), bytes=r.bytes, verified_at=r.verified_at, error=r.error,
-                          created_at=r.created_at, updated_at=r.updated_at)
+                          created_at=r.created_at, updated_at=r.updated_at, proof=r.proof)
 
     def replicas(self, checkpoint_id: int) -> list[ReplicaRow]:
         with self._read() as s:

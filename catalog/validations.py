@@ -15,7 +15,8 @@ from safepoint.catalog.views import ValidationRow
 from safepoint.core.errors import CatalogError
 from safepoint.core.redact import redact
 
-_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count", "head", "digest", "value")
+_STAT_KEYS = ("name", "dtype", "shape", "numel", "norm", "max_abs", "nan_count", "inf_count", "head", "digest", "value",
+              "file", "role")
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -53,6 +54,7 @@ class Validations(CatalogBase):
                 "norm": _finite_or_none(t.get("norm")), "max_abs": _finite_or_none(t.get("max_abs")),
                 "nan_count": int(t.get("nan_count") or 0), "inf_count": int(t.get("inf_count") or 0),
                 "head": t.get("head"), "digest": t.get("digest"), "value": _finite_or_none(t.get("value")),
+                "file": t.get("file"), "role": str(t["role"]) if t.get("role") else None,
             } for t in tensor_stats]
             if rows:
                 s.execute(sa.insert(TensorStat.__table__), rows)

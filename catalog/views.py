@@ -56,6 +56,7 @@ class ReplicaRow:
     error: str | None
     created_at: datetime
     updated_at: datetime
+    proof: str | None = None  # what vouched for a verified replica: "read-back", "s3-sha256" (models.Replica)
 
 
 @dataclass(frozen=True)

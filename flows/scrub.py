@@ -111,7 +111,8 @@ def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]
     if found is not None:
         row, _ = found
         state = replica_state(report.outcome)
-        catalog.set_replica(row.id, snap_url, dest_url, state, error=None if state is RS.VERIFIED else report.summary())
+        catalog.set_replica(row.id, snap_url, dest_url, state, error=None if state is RS.VERIFIED else report.summary(),
+                            proof="read-back" if state is RS.VERIFIED else None)  # a scrub always re-reads
         steps.settle_copies(catalog, row.id)
     return {"target": snap_url, "outcome": str(report.outcome), "summary": report.summary(), "batches": len(jobs)}
 

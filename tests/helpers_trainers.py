@@ -38,15 +38,20 @@ def tiny_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
-def hf_trainer_run(out: Path, *, steps: int = 4, save_steps: int = 2, callbacks: list | None = None) -> list[Path]:
-    """Train a tiny GPT-2 with transformers.Trainer; return its checkpoint-N folders, oldest first."""
+def hf_trainer_run(out: Path, *, steps: int = 4, save_steps: int = 2, callbacks: list | None = None,
+                   resume_from: str | os.PathLike | None = None, **overrides) -> list[Path]:
+    """Train a tiny GPT-2 with transformers.Trainer; return its checkpoint-N folders, oldest first.
+
+    `overrides` go to TrainingArguments (bf16, gradient_accumulation_steps, learning_rate, ...);
+    `resume_from` to `train(resume_from_checkpoint=...)`."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps, per_device_train_batch_size=4,
-                             learning_rate=1e-3, use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True,
-                             dataloader_num_workers=0, save_strategy="steps")
+    kw = dict(output_dir=str(out), max_steps=steps, save_steps=save_steps, per_device_train_batch_size=4,
+              learning_rate=1e-3, use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True,
+              dataloader_num_workers=0, save_strategy="steps")
+    args = TrainingArguments(**{**kw, **overrides})
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=_Tokens(), callbacks=callbacks or [])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.fspath(resume_from) if resume_from is not None else None)
     return sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -212,3 +217,55 @@ def plant_in_torch_file(path: Path, dotted: str, value: float) -> None:
 
 def int_key(d: dict, p: str) -> bool:
     return p.isdigit() and int(p) in d and p not in d
+
+
+def lightning_two_optimizers_module(shift: float = 0.0):
+    """A LightningModule with two optimizers (a GAN-style generator and critic, manual optimization).
+
+    `shift` moves the inputs: a resumed run with another shift writes other bytes at the same steps."""
+    import pytorch_lightning as pl
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.gen = torch.nn.Linear(4, 4)
+            self.critic = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _idx):
+            (x,) = batch
+            x = x + shift
+            g_opt, c_opt = self.optimizers()
+            c_loss = (self.critic(self.gen(x).detach()) - self.critic(x)).mean()
+            c_opt.zero_grad()
+            self.manual_backward(c_loss)
+            c_opt.step()
+            g_loss = -self.critic(self.gen(x)).mean()
+            g_opt.zero_grad()
+            self.manual_backward(g_loss)
+            g_opt.step()
+
+        def configure_optimizers(self):
+            return (torch.optim.AdamW(self.gen.parameters(), lr=1e-2),
+                    torch.optim.AdamW(self.critic.parameters(), lr=1e-2))
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g)),
+                                               batch_size=4)
+
+    return TwoOptimizers()
+
+
+def lightning_fit(root: Path, module, *, steps: int, every: int, plugins: list, ckpt_path: str | None = None) -> Path:
+    """fit() with a ModelCheckpoint every `every` steps into root/ckpts (resumed from `ckpt_path`)."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    dirpath = root / "ckpts"
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root, plugins=plugins,
+                         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1)])
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return dirpath

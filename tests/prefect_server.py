@@ -1,4 +1,4 @@
-"""A real `prefect server start` on loopback for integration tests (SQLite, its own PREFECT_HOME).
+"""A real `prefect server start` on loopback for integration tests (SQLite or PostgreSQL, its own PREFECT_HOME).
 
 Started in its own process group and always stopped (SIGTERM, then SIGKILL). It can be stopped and
 started again on the same port and database, to test what happens while the server is down.
@@ -46,8 +46,13 @@ QUIET_SERVICES = ("LATE_RUNS", "FOREMAN", "PAUSE_EXPIRATIONS", "CANCELLATION_CLE
 
 
 class PrefectServer:
-    def __init__(self, home: Path, port: int | None = None):
+    def __init__(self, home: Path, port: int | None = None, *, database_url: str | None = None,
+                 settings: dict[str, str] | None = None):
+        """`database_url`: Prefect's own database (default: SQLite in `home`); `settings`: more
+        PREFECT_* variables for the server process (e.g. service loop intervals)."""
         self.home = Path(home)
+        self.database_url = database_url or f"sqlite+aiosqlite:///{self.home / 'prefect.db'}"
+        self.settings = dict(settings or {})
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
@@ -66,7 +71,7 @@ class PrefectServer:
     def start(self, timeout_s: float = 120.0) -> None:
         env = dict(os.environ, **self.env())
         env.update({
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home / 'prefect.db'}",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url,
             "PREFECT_SERVER_UI_ENABLED": "false",
             "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
             # New scheduled runs are created soon after a deployment is made.
@@ -74,6 +79,7 @@ class PrefectServer:
         })
         for name in QUIET_SERVICES:
             env[f"PREFECT_SERVER_SERVICES_{name}_ENABLED"] = "false"
+        env.update(self.settings)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",

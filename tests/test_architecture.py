@@ -269,3 +269,40 @@ def test_only_safepoint_local_renames_files():
     offenders = [f"{m}: {hit}" for m, p in sorted(project_modules().items())
                  if not m.startswith("safepoint.local.") for hit in renames_in(p)]
     assert not offenders, "\n".join(offenders)
+
+
+#: what `safepoint ls` of a SQLite catalog must not load: it reads with sqlite3 (catalog.listing) and
+#: prints plain columns to a pipe, so it starts in well under 0.3 s (bench/startup.py)
+LS_MUST_NOT_LOAD = ("sqlalchemy", "alembic", "prefect", "torch", "rich")
+
+
+@pytest.mark.parametrize("catalog", ["none yet", "empty", "two checkpoints"])
+def test_ls_of_a_sqlite_catalog_loads_no_heavy_module(catalog, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    if catalog != "none yet":
+        from safepoint.catalog import db
+        from safepoint.catalog.store import open_catalog
+        from tests.helpers_catalog import seed
+
+        url = f"sqlite:///{home / 'catalog.db'}"
+        cat = open_catalog(url)
+        if catalog == "two checkpoints":
+            seed(cat, tmp_path, "run-a", 1, tags=("best",))
+            seed(cat, tmp_path, "run-a", 2, replicas=())
+        db.dispose(url)
+    code = ("import sys\nfrom safepoint.cli.main import main\n"
+            "rc = main(['ls'])\n"
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {LS_MUST_NOT_LOAD!r})\n"
+            "print('HEAVY', heavy[:5]); sys.exit(rc or (3 if heavy else 0))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SAFEPOINT_CATALOG_URL", "SAFEPOINT_CONFIG", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**env, "PYTHONPATH": str(REPO), "SAFEPOINT_HOME": str(home)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags"]
+    body = [line.split()[:3] for line in lines[1:-1]]
+    assert body == ([["run-a", "1", "verified"], ["run-a", "2", "verified"]] if catalog == "two checkpoints" else [])
+    if catalog == "two checkpoints":
+        assert lines[1].split()[-1] == "best" and "durable0" in lines[1]

@@ -76,7 +76,7 @@ def test_unexpected_exception_exits_2_and_shows_traceback_only_with_v(monkeypatc
     def boom(_args):
         raise KeyError("surprise")
 
-    monkeypatch.setattr(cli, "_catalog", boom)
+    monkeypatch.setattr(cli, "_listing", boom)
     assert assert_one_error_line(capsys, sp("ls")) == "safepoint: error: KeyError: 'surprise'"
     assert sp("-v", "ls") == 2
     text = capsys.readouterr().err

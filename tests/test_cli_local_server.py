@@ -36,17 +36,30 @@ def safepoint(env, *args, timeout=600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_demo_ends_with_table_and_resume_point_and_nothing_after(fresh_env):
+def test_demo_ends_with_table_and_resume_point_and_cleans_up(fresh_env):
     env, base = fresh_env
-    r = safepoint(env, "demo", "--dir", base / "demo")
+    tmp = base / "tmp"
+    tmp.mkdir()
+    r = safepoint(dict(env, TMPDIR=str(tmp)), "demo")  # no --dir: a temporary folder, removed at the end
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.strip()]
-    assert any(line.startswith("catalog") for line in lines)
-    # the table and resume point, then the way back (issue 12): restored and loaded, and nothing after
-    back = next(i for i, line in enumerate(lines) if line.startswith("resume point: demo-run step 20"))
-    assert lines[back + 1].startswith("deleted the local copies"), r.stdout
-    assert lines[back + 2].startswith("restored demo-run step 20"), r.stdout
-    assert lines[-1].startswith("loaded it:") and len(lines) == back + 4, r.stdout
+    workdir = lines[0].removeprefix("Safepoint demo, working in ").removesuffix(" (removed at the end)")
+    assert Path(workdir).parent == tmp and Path(workdir).name.startswith("safepoint-demo-"), lines[0]
+    assert [line.split(" and committed")[0] for line in lines[1:4]] == [
+        f"Trained a tiny model to step {s}" for s in (10, 20, 30)]
+    assert lines[4].startswith("Flipped one bit in nvme/demo-run/step-30/model.pt after it was committed")
+    assert [line.split(":")[0] for line in lines[5:8]] == [f"Ingested step-{s}" for s in (10, 20, 30)]
+    assert "verified" in lines[5] and "verified" in lines[6] and "corrupt" in lines[7], r.stdout
+    assert any(line.strip().startswith("The catalog") for line in lines)
+    # the table and resume point, then the way back (issue 12): restored and loaded, then the clean-up
+    back = next(i for i, line in enumerate(lines) if line.startswith("Resume point: demo-run step 20, at file://"))
+    assert lines[back - 1].startswith("Passed over step 30: "), r.stdout
+    assert lines[back + 1].startswith("Deleted the local copies (nvme/), as if the node were lost."), r.stdout
+    assert lines[back + 2].startswith("Restored step 20 from file://"), r.stdout
+    assert " into restored/: " in lines[back + 2] and "each checked against its BLAKE3 hash" in lines[back + 2]
+    assert lines[back + 3].startswith("Loaded it into the model:") and "at step 20." in lines[back + 3]
+    assert lines[-1] == f"Removed the demo folder {workdir}." and len(lines) == back + 5, r.stdout
+    assert list(tmp.glob("safepoint-demo-*")) == []  # nothing of ours left behind (torch may cache there)
     # stderr: at most the one note that the local server was started, nothing from Prefect's teardown
     assert "Traceback" not in r.stderr and "ERROR" not in r.stderr and "Error" not in r.stderr, r.stderr
     assert [line for line in r.stderr.splitlines() if line.strip()] == [

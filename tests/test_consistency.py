@@ -196,3 +196,46 @@ def test_consistency_line():
                                        "duplicated or torn; counters: catalog 1, optimizer 1")
     dup = {"checks": {"consistency": {"against": "r/2", "findings": [{"rule": "duplicate", "steps": [2, 4]}]}}}
     assert consistency_line(dup) == "against r/2: duplicate (2 -> 4)"
+
+
+# ------------------------------------------------------------------------------ names are not trusted alone
+
+def _two_layers(a: str, b: str, ma: str, mb: str) -> list[dict]:
+    """Two equal-shape layers and their Adam moments."""
+    return [Par("l0", a), Par("l1", b), Opt("0.exp_avg", ma), Opt("1.exp_avg", mb)]
+
+
+def test_stale_optimizer_with_equal_shape_entries_swapped_is_stale():
+    before = _two_layers("a1", "b1", "m0", "m1")
+    swapped = _two_layers("a2", "b2", "m1", "m0")   # step 10's moments, state.0 <-> state.1
+    (f,) = _run(swapped, before)
+    assert f.rule == STALE_OPTIMIZER and "under other names" in f.message
+    assert set(f.tensors) == {"optimizer.state.0.exp_avg", "optimizer.state.1.exp_avg"}
+
+
+@pytest.mark.parametrize("current", [
+    _two_layers("a2", "b2", "m1", "m2"),   # one moved: no multiset match
+    _two_layers("a2", "b2", "m1", "m1"),   # the same earlier tensor cannot match twice
+])
+def test_a_partial_or_repeated_match_is_not_stale(current):
+    assert _run(current, _two_layers("a1", "b1", "m0", "m1")) == []
+
+
+# ------------------------------------------------------------------------------ fp16 GradScaler skips
+
+@pytest.mark.parametrize("now, before, skipped", [
+    # scale halved, Adam step unchanged, the trainer counted the step: a skipped step
+    (Counters(20, optimizer=10.0, trainer=20, scaler=32768.0), Counters(10, optimizer=10.0, trainer=10,
+                                                                        scaler=65536.0), True),
+    # the same bytes with the same scale: the dirty-buffer duplicate, still caught
+    (Counters(20, optimizer=10.0, trainer=20, scaler=65536.0), Counters(10, optimizer=10.0, trainer=10,
+                                                                        scaler=65536.0), False),
+    # scale went down but the optimizer stepped: not a skip, the unchanged state is stale
+    (Counters(20, optimizer=11.0, trainer=20, scaler=32768.0), Counters(10, optimizer=10.0, trainer=10,
+                                                                        scaler=65536.0), False),
+    # no scaler at all
+    (Counters(20, optimizer=10.0, trainer=20), Counters(10, optimizer=10.0, trainer=10), False),
+])
+def test_a_gradscaler_skipped_step_is_not_duplicate(now, before, skipped):
+    rules = [f.rule for f in _run(BASE, counters=now, before=before)]
+    assert (DUPLICATE not in rules) is skipped

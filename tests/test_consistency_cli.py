@@ -159,7 +159,7 @@ def test_weights_before_the_step_with_the_optimizer_after_it_is_torn(env, capsys
         assert f"at step {step} the optimizer has taken {step + 1} steps" in f["message"]
         assert f"global_step {step}" in f["message"]
         assert report["checks"]["counters"] == {"catalog": step, "optimizer": step + 1, "scheduler": step,
-                                                "trainer": step}
+                                                "trainer": step, "scaler": None}
     assert states(env, capsys, "tn") == {1: "invalid", 2: "invalid"}
 
 

@@ -19,6 +19,7 @@ NOT_PYTHON = {
     "safepoint.manifest": "MANIFEST.json's format identifier",
     "safepoint.marker": "COMMITTED's format identifier",
     "safepoint.snapshot": "a rank-done/snapshot format identifier (docs/format.md)",
+    "safepoint.node": "a Prefect event resource label (safepoint.events)",
 }
 
 

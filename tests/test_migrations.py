@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 from safepoint.catalog import db
 from safepoint.catalog.models import Base
 
-HEAD = "0003_tensor_digests"
+HEAD = "0005_replica_proof"
 TABLES = {"runs", "checkpoints", "checkpoint_files", "checkpoint_ranks", "replicas", "validations",
           "tensor_stats", "events", "leases"}
 

@@ -79,6 +79,10 @@ def test_report_views_are_consistent(two_checkpoints: str) -> None:
     rows = tensor_rows(v.report, stats)
     assert [r["tensor"] for r in rows[:2]] == ["model.0.bias", "optimizer.state.0.exp_avg_sq"]
     assert rows[0]["verdict"] == "fail: norm_jump" and rows[1]["nan"] == 3 and rows[-1]["verdict"] == "ok"
+    # each row says where the tensor was read from and what it is
+    assert (rows[0]["file"], rows[0]["role"]) == ("model.pt", "parameter")
+    assert (rows[1]["file"], rows[1]["role"]) == ("model.pt", "optimizer_state")
+    assert {r["file"] for r in rows} == {"model.pt"} and "-" not in {r["role"] for r in rows}
     assert [r["severity"] for r in finding_rows(v.report)] == ["fail", "fail"]
     assert artifact_key("validation", "My_Run.v2", 10) == "validation-my-run-v2-10"
 
@@ -107,6 +111,7 @@ def test_flow_publishes_report_artifacts_and_runs_the_harness(tmp_path: Path, pr
     [table] = _artifacts("validation-tensors-art-7")
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert rows[0]["tensor"] == "optimizer.state.0.exp_avg_sq" and rows[0]["verdict"] == "fail: nan"
+    assert (rows[0]["file"], rows[0]["role"]) == ("model.pt", "optimizer_state")
     assert len(rows) == 16
 
     # --model: the strict dry-run load runs in the flow; the helper records "step": 2.

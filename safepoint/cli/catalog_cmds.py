@@ -11,14 +11,14 @@ from typing import Any
 
 from rich.table import Table
 
-from safepoint.cli.common import EXIT_BAD, EXIT_OK, _catalog, err, out
+from safepoint.cli.common import EXIT_BAD, EXIT_OK, _catalog, err, out, run_hint
 from safepoint.core.errors import UsageError
 
 
 def _row(cat: Any, run: str, step: int) -> Any:
     row = cat.get(run, step)
     if row is None:
-        raise UsageError(f"no checkpoint {run}/{step} in the catalog")
+        raise UsageError(f"no checkpoint {run}/{step} in the catalog{run_hint(cat, run)}")
     return row
 
 
@@ -28,9 +28,15 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     chain = cat.lineage(args.run, args.step)
     if not chain:
-        err.print(f"no checkpoint {args.run}/{args.step} in the catalog")
+        err.print(f"no checkpoint {args.run}/{args.step} in the catalog{run_hint(cat, args.run)}")
         return EXIT_BAD
     kids = cat.children(args.run, args.step)
+    # A step re-saved after a resume from an older one: each earlier version is an abandoned branch.
+    abandoned = [e["detail"] for e in cat.events(chain[0].id, kind="resealed")] if chain[0].id else []
+
+    def branch(d: dict[str, Any]) -> dict[str, Any]:
+        return {"version": d.get("version"), "manifest_blake3": d.get("old_manifest_blake3"),
+                "parent": d.get("old_parent"), "replicas_superseded": d.get("replicas_superseded", [])}
 
     def doc(link: Any) -> dict[str, Any]:
         return {"run": link.run, "step": link.step, "state": str(link.state) if link.state else None,
@@ -38,7 +44,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
                 "created": link.created_at.isoformat() if link.created_at else None}
 
     if args.json:
-        print(json.dumps({"chain": [doc(x) for x in chain], "children": [doc(x) for x in kids]}, indent=1))
+        print(json.dumps({"chain": [doc(x) for x in chain], "children": [doc(x) for x in kids],
+                          "abandoned": [branch(d) for d in abandoned]}, indent=1))
         return EXIT_OK
     first = chain[0]
     out.print(f"{first.run}/{first.step} ({first.state})")
@@ -47,6 +54,11 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         out.print(f"  <- {prev.relation} from {link.run}/{link.step} ({what})")
     for k in kids:
         out.print(f"  -> {k.relation} as {k.run}/{k.step} ({k.state})")
+    for d in abandoned:
+        b = branch(d)
+        was = f"{b['parent']['run']}/{b['parent']['step']}" if b["parent"] else "none"
+        out.print(f"  x  re-saved after a resume: an abandoned branch's {first.run}/{first.step} (manifest "
+                  f"{str(b['manifest_blake3'])[:12]}, parent {was}) was replaced", markup=False)
     return EXIT_OK
 
 
@@ -58,7 +70,7 @@ def cmd_risk(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     cks, events, states = cat.risk_inputs(args.run)
     if not cks:
-        err.print(f"no checkpoints recorded for run {args.run!r}")
+        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}")
         return EXIT_BAD
     r = assess(args.run, cks, events, states, ber=args.ber, target=args.target)
     if args.json:
@@ -155,38 +167,38 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     s = sub.add_parser("lineage")
-    s.add_argument("run")
-    s.add_argument("step", type=int)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("run", metavar="RUN", help="run name")
+    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_lineage)
 
     s = sub.add_parser("risk")
-    s.add_argument("--run", required=True)
+    s.add_argument("--run", required=True, help="run name")
     s.add_argument("--ber", type=float, default=1e-15, help="bit error rate ε, per bit (default 1e-15)")
     s.add_argument("--target", type=float, default=0.01,
                    help="tolerated expected undetected corrupted copies between scrubs (default 0.01)")
     s.add_argument("--last", type=int, default=20, help="checkpoints to list (default the last 20)")
     s.add_argument("--all", action="store_true", help="list every checkpoint")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_risk)
 
     s = sub.add_parser("pin")
-    s.add_argument("run")
-    s.add_argument("step", type=int)
+    s.add_argument("run", metavar="RUN", help="run name")
+    s.add_argument("step", metavar="STEP", type=int, help="training step")
     s.add_argument("--off", action="store_true", help="unpin")
     s.set_defaults(fn=cmd_pin)
 
     s = sub.add_parser("tag")
-    s.add_argument("run")
-    s.add_argument("step", type=int)
-    s.add_argument("tags", nargs="+")
-    s.add_argument("--remove", action="store_true")
+    s.add_argument("run", metavar="RUN", help="run name")
+    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("tags", nargs="+", metavar="TAG", help="tags to add (or remove)")
+    s.add_argument("--remove", action="store_true", help="remove these tags instead")
     s.set_defaults(fn=cmd_tag)
 
     s = sub.add_parser("metric")
-    s.add_argument("run")
-    s.add_argument("step", type=int)
-    s.add_argument("values", nargs="+", metavar="NAME=VALUE")
+    s.add_argument("run", metavar="RUN", help="run name")
+    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("values", nargs="+", metavar="NAME=VALUE", help="metrics, e.g. val_loss=2.31")
     s.set_defaults(fn=cmd_metric)
 
     s = sub.add_parser("evict")
@@ -195,8 +207,9 @@ def register(sub: Any) -> None:
     s.add_argument("--low-water", type=float, help="evict down to this fill (default high water - 0.10)")
     s.add_argument("--capacity", type=int, metavar="BYTES",
                    help="measure the fill as bytes under ROOT against this quota, not the filesystem's")
-    s.add_argument("--min-replicas", type=int, default=1)
+    s.add_argument("--min-replicas", type=int, default=1,
+                   help="verified durable replicas a copy needs before it may be evicted (default 1)")
     s.add_argument("--keep-newest", type=int, default=1, help="local copies kept per run for fast restarts")
-    s.add_argument("--dry-run", action="store_true")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--dry-run", action="store_true", help="print the plan; delete nothing")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_evict)

@@ -17,7 +17,7 @@ from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 if TYPE_CHECKING:
     from datetime import datetime
 
-__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_ingest_flow", "watch_here"]
+__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_hint", "run_ingest_flow", "watch_here"]
 
 out = LazyConsole()  # rich's Console, imported only when a command's output needs it
 err = LazyConsole(stderr=True)
@@ -28,6 +28,15 @@ def _catalog(args):
     from safepoint.core.config import load_config
 
     return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
+def run_hint(cat, run: str) -> str:
+    """' (did you mean 'my-run'?)' when `run` is not in the catalog and a recorded run is close to it."""
+    if cat.get_run_id(run) is not None:
+        return ""
+    from safepoint.rules.suggest import did_you_mean
+
+    return did_you_mean(run, cat.runs())
 
 
 def parse_time(text: str, now: datetime | None = None) -> datetime:
@@ -62,15 +71,44 @@ def _ingest_exit(state: str) -> int:
 
 
 def watch_here(args) -> int:
-    """`safepoint watch` without --emit: ingest each committed snapshot under ROOT in this process."""
-    from safepoint.events.watch import pending_snapshots
+    """`safepoint watch` without --emit: ingest each committed snapshot under ROOT in this process.
 
+    A folder whose ingest fails (a hostile manifest, a step the catalog cannot hold) is set aside
+    with one `safepoint: error:` line and not retried until its marker changes; the others go on.
+    """
+    from safepoint.cli.guard import one_line
+    from safepoint.core.config import load_config
+    from safepoint.core.errors import FormatError
+    from safepoint.destinations.check import check_destinations
+    from safepoint.events.watch import marker_identity, pending_snapshots
+    from safepoint.local.snapshot import LocalSnapshot
+
+    check_destinations(args.to, load_config().storage_options)
     cat = _catalog(args)
     worst = EXIT_OK
+    set_aside: dict[Path, tuple[int, int] | None] = {}
     while True:
         for folder in pending_snapshots(Path(args.root), cat):
+            ident = marker_identity(folder)
+            if folder in set_aside and set_aside[folder] == ident:
+                continue
+            try:
+                LocalSnapshot.open(folder)
+            except FormatError as e:  # hostile or rotten control files (a step past int64): a verdict
+                set_aside[folder] = ident
+                err.print(f"set aside {folder}: {e} (until its marker changes)", markup=False, highlight=False)
+                worst = max(worst, EXIT_BAD)
+                continue
             err.print(f"ingesting {folder}")
-            result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+            try:
+                result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+            except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher
+                set_aside[folder] = ident
+                err.print(f"{one_line(e)} ({folder}: set aside until its marker changes)", markup=False,
+                          highlight=False)
+                worst = max(worst, EXIT_ERROR)
+                continue
+            set_aside.pop(folder, None)
             out.print(f"{result['run']}/{result['step']}: {result['state']}")
             worst = max(worst, _ingest_exit(result["state"]))
         if args.once:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 _RICH_SYNTAX = re.compile(r"\[|:\S*:")
 #: environment variables that make rich treat a pipe as a terminal (or otherwise change its output)
 _RICH_ENV = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+#: the width of rich output that goes to a file or a pipe: wide enough that no table cuts a value
+WIDE = 100_000
 
 
 class LazyConsole:
@@ -35,12 +38,21 @@ class LazyConsole:
         if self._rich is None:
             from rich.console import Console
 
-            self._rich = Console(stderr=self.stderr, highlight=False, soft_wrap=True)
+            # Not a terminal (a pipe, a file, a log): no 80-column limit, so tables keep whole values.
+            wide = {} if self._isatty() else {"width": WIDE}
+            self._rich = Console(stderr=self.stderr, highlight=False, soft_wrap=True, **wide)
         return self._rich
 
     @property
     def file(self) -> TextIO:
         return sys.stderr if self.stderr else sys.stdout  # looked up per call, as rich does (pytest swaps them)
+
+    def _isatty(self) -> bool:
+        isatty = getattr(self.file, "isatty", None)
+        try:
+            return bool(isatty and isatty())
+        except ValueError:  # a closed file
+            return False
 
     def _plain_target(self) -> bool:
         """Output rich would leave undecorated: not a terminal, no environment override, no notebook."""
@@ -68,3 +80,10 @@ class LazyConsole:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.rich, name)  # print_json, status, ... : rich's own
+
+
+def plain_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Rows as aligned text columns, every value whole: the table for a pipe or a file (no rich needed)."""
+    table = [list(headers)] + [[str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -11,7 +13,8 @@ from rich.table import Table
 RUN = "demo-run"
 
 
-def _train_and_save(nvme: Path, steps: list[int]) -> list[Path]:
+def _train_and_save(nvme: Path, steps: list[int]) -> Iterator[tuple[int, Path]]:
+    """Train, and at each of `steps` save model, optimizer and step with torch.save; yield (step, folder)."""
     import torch
     from torch import nn
 
@@ -19,7 +22,7 @@ def _train_and_save(nvme: Path, steps: list[int]) -> list[Path]:
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(256, 32), torch.randn(256, 8)
-    folders, step = [], 0
+    step = 0
     for target in steps:
         while step < target:
             opt.zero_grad()
@@ -29,52 +32,92 @@ def _train_and_save(nvme: Path, steps: list[int]) -> list[Path]:
         folder = nvme / RUN / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, folder / "model.pt")
-        folders.append(folder)
-    return folders
+        yield step, folder
 
 
-def run_demo(workdir: Path | None = None, console: Console | None = None) -> int:
+def run_demo(workdir: Path | None = None, console: Console | None = None, *, progress_console: Any = None) -> int:
+    """Run the demo in `workdir` (kept), or in a new temporary folder that is removed once it succeeds.
+
+    `progress_console`: where the bar of the demo's steps goes (the CLI's stderr on a terminal); None: no bar.
+    """
+    from safepoint.ops import progress
+
+    console = console or Console()
+    temporary = workdir is None
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="safepoint-demo-")).resolve()
+    console.print(f"[bold]Safepoint demo[/bold], working in {workdir}"
+                  + (" (removed at the end)" if temporary else ""))
+    code = 1
+    try:
+        with progress.steps(STEPS, progress_console, enabled=progress_console is not None) as steps:
+            code = _demo(workdir, console, steps)
+    finally:
+        if temporary and code == 0:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+            console.print(f"Removed the demo folder {workdir}.")
+        else:
+            console.print(f"The demo's files are still in {workdir}.")
+    return code
+
+
+#: the demo's steps, for its progress bar: three checkpoints, a flipped bit, three ingests, a restore
+STEPS = 8
+
+
+def _demo(workdir: Path, console: Console, steps: Any) -> int:
     from safepoint.catalog.store import open_catalog
     from safepoint.flows.ingest import ingest
     from safepoint.local.commit import commit
     from safepoint.rules.resume import resume_point
 
-    console = console or Console()
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="safepoint-demo-")).resolve()
     nvme, durable = workdir / "nvme", workdir / "durable"
     durable.mkdir(parents=True, exist_ok=True)
     catalog_url = f"sqlite:///{workdir / 'catalog.db'}"
-    console.print(f"[bold]Safepoint demo[/bold] in {workdir}")
 
-    folders = _train_and_save(nvme, [10, 20, 30])
-    for folder, step in zip(folders, [10, 20, 30]):
+    folders = []
+    steps.next("training to step 10")
+    for step, folder in _train_and_save(nvme, [10, 20, 30]):
         commit(folder, RUN, step, parent=(RUN, step - 10) if step > 10 else None)
-        console.print(f"trained to step {step}, wrote and committed {folder.relative_to(workdir)}")
+        folders.append(folder)
+        if step < 30:
+            steps.next(f"training to step {step + 10}")
+        console.print(f"Trained a tiny model to step {step} and committed its checkpoint "
+                      f"({folder.relative_to(workdir)}).")
 
+    steps.next("flipping one bit")
     victim = folders[-1] / "model.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    console.print(f"[yellow]flipped one bit[/yellow] in {victim.relative_to(workdir)} after it was committed")
+    console.print(f"[yellow]Flipped one bit[/yellow] in {victim.relative_to(workdir)} after it was committed, "
+                  "as a failing disk might.")
 
     for folder in folders:
+        steps.next(f"ingesting {folder.name}")
         result = ingest(snapshot=str(folder), to=[durable.as_uri()], catalog_url=catalog_url)
-        console.print(f"ingest {folder.name}: [bold]{result['state']}[/bold] {result['message'] or ''}")
+        if result["state"] == "verified":
+            console.print(f"Ingested {folder.name}: [bold]verified[/bold] (copied to durable/, read back with "
+                          "every hash matching, and its model and optimizer state loaded cleanly).")
+        else:
+            console.print(f"Ingested {folder.name}: [bold]{result['state']}[/bold]: {result['message'] or ''}")
 
     cat = open_catalog(catalog_url)
     views = cat.list_checkpoints(RUN)
-    table = Table("run", "step", "state", "replicas", title="catalog")
+    table = Table("run", "step", "state", "replicas", title="The catalog")
     for c in views:
         table.add_row(c.run, str(c.step), str(c.state),
                       "\n".join(f"{r.url} ({r.state})" for r in c.replicas) or "-")
     console.print(table)
     decision = resume_point(views)
     for c, why in decision.passed_over:
-        console.print(f"passed over step {c.step}: {why}")
+        console.print(f"Passed over step {c.step}: {why}.")
     if decision.chosen is None:
-        console.print("[red]no resume point[/red]")
+        console.print("[red]No resume point.[/red]")
         return 1
-    console.print(f"[green]resume point[/green]: {RUN} step {decision.chosen.step} at {decision.urls[0]}")
+    console.print(f"[green]Resume point[/green]: {RUN} step {decision.chosen.step}, at {decision.urls[0]}")
+    steps.next("restoring the resume point")
     return _way_back(workdir, nvme, cat, console)
 
 
@@ -89,13 +132,15 @@ def _way_back(workdir: Path, nvme: Path, cat: object, console: Console) -> int:
     from safepoint.ops.restore import restore
 
     shutil.rmtree(nvme)
-    console.print(f"[yellow]deleted the local copies[/yellow] ({nvme.relative_to(workdir)}): the node is gone")
+    console.print(f"[yellow]Deleted the local copies[/yellow] ({nvme.relative_to(workdir)}/), as if the node "
+                  "were lost.")
     result = restore(RUN, workdir / "restored", catalog=cat, config=Config())  # type: ignore[arg-type]
-    console.print(f"[green]restored[/green] {RUN} step {result.step} into {result.path.relative_to(workdir)} "
-                  f"from {result.sources[0]}: {result.bytes_fetched} bytes, every one verified")
+    console.print(f"[green]Restored[/green] step {result.step} from {result.sources[0]} into "
+                  f"{result.path.relative_to(workdir)}/: {result.bytes_fetched:,} bytes, each checked against "
+                  "its BLAKE3 hash.")
     state = torch.load(result.path / "model.pt", weights_only=True)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
     model.load_state_dict(state["model"])
-    console.print(f"loaded it: {sum(p.numel() for p in model.parameters())} parameters at step {state['step']}; "
-                  f"training resumes from here")
+    console.print(f"Loaded it into the model: {sum(p.numel() for p in model.parameters()):,} parameters at "
+                  f"step {state['step']}. Training would resume from here.")
     return 0

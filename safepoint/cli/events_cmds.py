@@ -116,7 +116,8 @@ def cmd_parts(args) -> int:
 
 def register(sub) -> None:
     s = sub.add_parser("serve")
-    s.add_argument("--to", action="append", default=[], help="default destination URL(s) of the ingest deployment")
+    s.add_argument("--to", action="append", default=[], metavar="URL",
+                   help="default destination URL(s) of the ingest deployment")
     s.add_argument("--node", help="only ingest markers from this node (deployment names get '-NODE')")
     s.add_argument("--name", default="ingest", help="ingest deployment name (default: ingest)")
     s.add_argument("--poll", type=float, default=2.0, help="seconds between the runner's polls (Prefect: 10)")
@@ -127,7 +128,7 @@ def register(sub) -> None:
                    help="seconds between multi-node completeness checks; 0: none")
     s.add_argument("--timeout", type=float, help="multi-node timeout in seconds ([multinode] timeout_s)")
     s.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port")
-    s.add_argument("--metrics-addr", default="127.0.0.1")
+    s.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
     s.set_defaults(fn=cmd_serve, prefect=True)
 
     w = sub.choices.get("watch")
@@ -152,8 +153,8 @@ def register(sub) -> None:
     s.set_defaults(fn=cmd_metrics)
 
     s = sub.add_parser("parts")
-    s.add_argument("--run")
+    s.add_argument("--run", help="only this run")
     s.add_argument("--apply", action="store_true", help="apply timeouts now (mark lost sets incomplete)")
     s.add_argument("--timeout", type=float, help="override [multinode] timeout_s")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_parts)

@@ -19,12 +19,14 @@ from safepoint.cli.common import (
     err,
     out,
     parse_time,
+    run_hint,
     run_ingest_flow,
     watch_here,
 )
+from safepoint.cli.console import plain_table
 from safepoint.cli.guard import guarded
 from safepoint.cli.quiet import quiet_prefect
-from safepoint.cli.registry import add_commands
+from safepoint.cli.registry import add_commands, add_global_options
 from safepoint.core.errors import SafepointError, UsageError
 
 
@@ -47,9 +49,16 @@ def cmd_commit(args) -> int:
     from safepoint.local.commit import commit
 
     m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
-               ranks=args.ranks, node=args.node)
+               ranks=args.ranks, node=args.node, reseal=args.reseal)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
+
+
+def _check_destinations(to: list[str]) -> None:
+    from safepoint.core.config import load_config
+    from safepoint.destinations.check import check_destinations
+
+    check_destinations(to or load_config().section("ingest").get("to", []), load_config().storage_options)
 
 
 def cmd_ingest(args) -> int:
@@ -64,13 +73,15 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
+    _check_destinations(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
     from safepoint.ops import progress
 
     t0 = time.perf_counter()
-    # A transfer bar on a terminal (bytes uploaded, over every destination).
-    with progress.bar(f"ingest {snap.manifest.run}/{snap.manifest.step}", snap.manifest.total_bytes * len(args.to),
-                      err, enabled=err.is_terminal and not args.json):
+    # On a terminal, one transfer bar per destination (bytes uploaded and read back verified).
+    m = snap.manifest
+    with progress.bars([(url, f"{m.run}/{m.step} -> {url}", m.total_bytes) for url in dict.fromkeys(args.to)],
+                       err, enabled=err.is_terminal and not args.json):
         result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
     dt = time.perf_counter() - t0
     if args.json:
@@ -84,12 +95,21 @@ def cmd_ingest(args) -> int:
     return _ingest_exit(result["state"])
 
 
-def _views(args, run=None):
-    return _catalog(args).list_checkpoints(run)
+def _listing(args) -> list:
+    """The checkpoints `ls` shows: read with sqlite3 alone when the catalog is a SQLite file at head
+    (no SQLAlchemy, no Alembic: the command stays under 0.3 s), else through the catalog proper."""
+    from safepoint.catalog.listing import read_sqlite
+    from safepoint.catalog.probe import sqlite_file
+    from safepoint.core.config import load_config
+
+    url = getattr(args, "catalog", None) or load_config().catalog_url
+    db = sqlite_file(url)
+    views = read_sqlite(db, args.run) if db is not None else None
+    return views if views is not None else _catalog(args).list_checkpoints(args.run)
 
 
 def cmd_ls(args) -> int:
-    views = _views(args, args.run)
+    views = _listing(args)
     rows = [{
         "run": c.run, "step": c.step, "state": str(c.state), "local_path": c.local_path,
         "bytes": c.total_bytes, "created": c.created_at.isoformat() if c.created_at else None,
@@ -100,14 +120,25 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
+    if args.run and not rows:
+        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(_catalog(args), args.run)}")
+    headers = ("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
+
+    def cells(r: dict, sep: str) -> tuple[str, ...]:
+        reps = sep.join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
+        marks = " ".join((["pinned"] if r["pinned"] else []) + r["tags"]) or "-"
+        return (r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-",
+                r["parent"] or "-", marks)
+
+    if not out.is_terminal:  # a pipe or a file: whole values, one line per checkpoint, no rich import
+        out.file.write(plain_table(headers, (cells(r, ", ") for r in rows)) + "\n")
+        return EXIT_OK
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
+    table = Table(*headers)
     for r in rows:
-        reps = "\n".join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
-        marks = " ".join((["pinned"] if r["pinned"] else []) + r["tags"]) or "-"
-        table.add_row(r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-",
-                      r["parent"] or "-", marks)
+        table.add_row(*(escape(c) for c in cells(r, "\n")))
     out.print(table)
     return EXIT_OK
 
@@ -136,7 +167,7 @@ def cmd_resume_point(args) -> int:
             print(json.dumps({"run": args.run, "step": None, "url": None, "urls": [], "passed_over": passed}))
         known = bool(passed) or cat.get_run_id(args.run) is not None
         err.print(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
-                  if known else f"no checkpoints recorded for run {args.run!r}")
+                  if known else f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}")
         return EXIT_BAD
     urls = decision.urls
     doc = {"run": c.run, "step": c.step, "url": urls[0] if urls else None, "urls": urls,
@@ -154,12 +185,28 @@ def cmd_resume_point(args) -> int:
     return EXIT_OK
 
 
+def _local_total(target: str) -> int | None:
+    """The bytes a local snapshot's manifest lists (for the bar's total); None for a URL or no manifest."""
+    from safepoint.ops.verify_local import local_target
+
+    folder = local_target(target)
+    if folder is None:
+        return None
+    from safepoint.local.snapshot import LocalSnapshot
+
+    try:
+        return LocalSnapshot.open(folder).manifest.total_bytes
+    except (SafepointError, OSError):
+        return None
+
+
 def cmd_verify(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
     from safepoint.ops.verify_local import verify_unknown_local
 
-    with progress.bar(f"verify {args.url}", None, err, enabled=err.is_terminal):
+    shown = err.is_terminal
+    with progress.bar(f"verify {args.url}", _local_total(args.url) if shown else None, err, enabled=shown):
         config = load_config()
         found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
         if found is None:
@@ -248,14 +295,18 @@ def cmd_prune(args) -> int:
 def cmd_demo(args) -> int:
     from safepoint.cli.demo import run_demo
 
-    return run_demo(Path(args.dir) if args.dir else None, console=out)
+    # The step bar shows only when both streams are a terminal: the demo's lines then print above it.
+    bar = err if out.is_terminal and err.is_terminal else None
+    return run_demo(Path(args.dir) if args.dir else None, console=out, progress_console=bar)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command in the registry; a command's module is imported once it is chosen."""
-    p = argparse.ArgumentParser(prog="safepoint", description=__doc__)
-    p.add_argument("--catalog", help="catalog URL (default: $SAFEPOINT_CATALOG_URL or $SAFEPOINT_HOME/catalog.db)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p = argparse.ArgumentParser(
+        prog="safepoint", description="Verified checkpoints: seal, replicate, verify, validate, catalog, restore.",
+        epilog="`safepoint COMMAND --help` explains a command and its exit codes. Exit codes: 0 good, 1 a verdict "
+               "(bad checkpoint, or nothing good found), 2 usage or infrastructure error.")
+    add_global_options(p, top=True)
     add_commands(p)
     return p
 
@@ -263,37 +314,39 @@ def build_parser() -> argparse.ArgumentParser:
 def register(sub) -> None:
     """The core commands (their help is in cli/registry.py)."""
     s = sub.add_parser("commit")
-    s.add_argument("dir")
-    s.add_argument("--run", required=True)
-    s.add_argument("--step", type=int, required=True)
+    s.add_argument("dir", metavar="DIR", help="the folder the training job wrote")
+    s.add_argument("--run", required=True, help="run name, e.g. llama-7b")
+    s.add_argument("--step", type=int, required=True, help="training step of this checkpoint")
     s.add_argument("--parent", help="RUN:STEP this checkpoint resumed or forked from")
-    s.add_argument("--world-size", type=int, default=1)
+    s.add_argument("--world-size", type=int, default=1, help="ranks of a multi-node checkpoint (default 1)")
     s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
     s.add_argument("--node", help="host name for multi-node checkpoints")
+    s.add_argument("--reseal", action="store_true",
+                   help="seal again a folder whose files changed since it was sealed (a re-saved step)")
     s.set_defaults(fn=cmd_commit)
 
     s = sub.add_parser("ingest")
-    s.add_argument("dir")
-    s.add_argument("--to", action="append", required=True, help="destination URL (repeatable)")
+    s.add_argument("dir", metavar="DIR", help="a committed snapshot folder (see `safepoint commit`)")
+    s.add_argument("--to", action="append", required=True, metavar="URL", help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     s.set_defaults(fn=cmd_ingest, prefect=True, validates=True)
 
     s = sub.add_parser("watch")
-    s.add_argument("root")
-    s.add_argument("--to", action="append", required=True)
-    s.add_argument("--model")
+    s.add_argument("root", metavar="ROOT", help="folder under which training jobs write checkpoints")
+    s.add_argument("--to", action="append", required=True, metavar="URL", help="destination URL (repeatable)")
+    s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--once", action="store_true", help="one pass, then exit")
-    s.add_argument("--interval", type=float, default=5.0)
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between scans (default 5)")
     s.set_defaults(fn=watch_here, prefect=True, validates=True)
 
     s = sub.add_parser("ls")
-    s.add_argument("--run")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--run", help="only this run")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_ls)
 
     s = sub.add_parser("resume-point")
-    s.add_argument("--run", required=True)
+    s.add_argument("--run", required=True, help="the run to resume")
     s.add_argument("--min-replicas", type=int, default=1, help="verified durable replicas required (default 1)")
     s.add_argument("--max-step", type=int, help="only checkpoints at or below this step")
     s.add_argument("--before", metavar="TIME", help="only checkpoints created before TIME (ISO 8601, or 2h/3d ago)")
@@ -303,17 +356,17 @@ def register(sub) -> None:
     s.set_defaults(fn=cmd_resume_point)
 
     s = sub.add_parser("verify")
-    s.add_argument("url")
+    s.add_argument("url", metavar="URL_OR_DIR", help="a replica URL (s3://..., file://...) or a local snapshot folder")
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("validate")
-    s.add_argument("url")
+    s.add_argument("url", metavar="DIR", help="a local snapshot folder (or file:// URL)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.set_defaults(fn=cmd_validate)
 
     s = sub.add_parser("prune")
     s.add_argument("--run", action="append", help="run to prune (repeatable)")
-    s.add_argument("--all-runs", action="store_true")
+    s.add_argument("--all-runs", action="store_true", help="prune every run in the catalog")
     s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest verified")
     s.add_argument("--keep-every", type=int, metavar="STEPS", help="keep the first verified of every STEPS steps")
     s.add_argument("--keep-within", metavar="DURATION", help="keep everything created within e.g. 12h, 7d")
@@ -321,11 +374,11 @@ def register(sub) -> None:
     s.add_argument("--keep-best", metavar="METRIC:N[:min|max]", help="keep the N best by a recorded metric")
     s.add_argument("--min-replicas", type=int, default=1, help="verified replicas a checkpoint needs to count")
     s.add_argument("--dry-run", action="store_true", help="print the plan, with a reason for every keep")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_prune)
 
     s = sub.add_parser("demo")
-    s.add_argument("--dir", help="work folder (default: a new temporary folder)")
+    s.add_argument("--dir", help="work folder, kept afterwards (default: a temporary folder, removed at the end)")
     s.set_defaults(fn=cmd_demo, prefect=True)
 
 

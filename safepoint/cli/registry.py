@@ -14,41 +14,157 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 MAIN = "safepoint.cli.main"
+CATALOG = "safepoint.cli.catalog_cmds"
+EVENTS = "safepoint.cli.events_cmds"
+REPAIR = "safepoint.cli.repair_cmds"
 
-#: name -> (help, modules that add its arguments, in order); `safepoint --help` lists them in this order
-COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "commit": ("seal a folder written by any tool", (MAIN,)),
-    "ingest": ("replicate, verify, validate and catalog one committed snapshot", (MAIN,)),
+#: exit code lines shared by most commands
+ERROR = "2  error: bad usage, or the catalog, storage or Prefect failed (one line `safepoint: error: ...`)"
+OK = "0  done"
+
+
+class Command(NamedTuple):
+    """One command: a line for `safepoint --help`, a paragraph for its own help, its exit codes."""
+
+    help: str
+    modules: tuple[str, ...]
+    exits: tuple[str, ...]
+    description: str = ""
+
+
+#: name -> Command; `safepoint --help` lists them in this order
+COMMANDS: dict[str, Command] = {
+    "commit": Command(
+        "seal a folder written by any tool", (MAIN,),
+        ("0  committed", ERROR + "; a symlink or a file changed while hashing is refused"),
+        "Hash every file of DIR with BLAKE3, fsync it, write MANIFEST.json, then the COMMITTED marker last. "
+        "Works on what torch.save, DCP, safetensors or a trainer wrote. The folder is then ready for "
+        "`safepoint ingest` (or a watcher)."),
+    "ingest": Command(
+        "replicate, verify, validate and catalog one committed snapshot", (MAIN,),
+        ("0  verified: every replica re-hashed and the load validation passed",
+         "1  corrupt, invalid or incomplete (the reason is printed)", ERROR),
+        "Run the ingest flow for the committed snapshot in DIR: copy it to every --to destination, read "
+        "each copy back and check it against the manifest, run the dry-run load validation, and record "
+        "the result in the catalog. A progress bar per destination shows on a terminal."),
     # events_cmds adds `watch --emit` and its options to the watch parser
-    "watch": ("ingest committed snapshots that appear under ROOT", (MAIN, "safepoint.cli.events_cmds")),
-    "ls": ("list checkpoints", (MAIN,)),
-    "resume-point": ("the checkpoint to resume from", (MAIN,)),
-    "verify": ("re-hash a replica or local snapshot against its manifest", (MAIN,)),
-    "validate": ("dry-run load validation of a snapshot folder", (MAIN,)),
-    "prune": ("apply retention (invariants: the newest verified and at least two verified are kept; nothing "
-              "goes while a newer checkpoint is pending)", (MAIN,)),
-    "demo": ("train a tiny model, checkpoint it, corrupt one, run the pipeline", (MAIN,)),
-    "lineage": ("the chain of checkpoints RUN STEP resumed or forked from", ("safepoint.cli.catalog_cmds",)),
-    "risk": ("corruption risk of a run's checkpoints vs what scrubs found", ("safepoint.cli.catalog_cmds",)),
-    "pin": ("pin a checkpoint: retention never deletes it", ("safepoint.cli.catalog_cmds",)),
-    "tag": ("add (or --remove) tags on a checkpoint", ("safepoint.cli.catalog_cmds",)),
-    "metric": ("record metrics on a checkpoint (for --keep-best)", ("safepoint.cli.catalog_cmds",)),
-    "evict": ("free node-local space: delete local copies that have a verified replica",
-              ("safepoint.cli.catalog_cmds",)),
-    "show": ("the validation report of one checkpoint (each failure: tensor and why)",
-             ("safepoint.cli.validation_cmds",)),
-    "serve": ("run the ingest (event-triggered), scrub and completeness deployments here",
-              ("safepoint.cli.events_cmds",)),
-    "metrics": ("print Safepoint's Prometheus metrics once", ("safepoint.cli.events_cmds",)),
-    "parts": ("completeness of multi-node checkpoints", ("safepoint.cli.events_cmds",)),
-    "reconcile": ("repair the catalog from what the destinations hold; remove orphans older than the grace "
-                  "period", ("safepoint.cli.repair_cmds",)),
-    "scrub": ("re-verify a rotating slice of every verified replica; repair rot", ("safepoint.cli.repair_cmds",)),
-    "server": ("the local Prefect server used when PREFECT_API_URL is unset", ("safepoint.cli.server_cmds",)),
-    "restore": ("restore the resume point (or --step) into DIR, every byte verified", ("safepoint.cli.restore_cmds",)),
+    "watch": Command(
+        "ingest committed snapshots that appear under ROOT", (MAIN, EVENTS),
+        ("0  every snapshot ingested verified (with --emit: every marker confirmed)",
+         "1  a snapshot was not verified (with --emit --once: markers left in the spool)", ERROR),
+        "Watch ROOT for folders with a COMMITTED marker and ingest each one here; folders without a marker "
+        "are ignored. With --emit, send one event per marker to the Prefect server instead, for "
+        "`safepoint serve` or a deployment to ingest."),
+    "ls": Command(
+        "list checkpoints", (MAIN,), (OK, ERROR),
+        "List checkpoints with their state, size, replicas, local copy, parent, pins and tags. On a terminal "
+        "it is a table; piped or redirected, one line per checkpoint with every value whole."),
+    "resume-point": Command(
+        "the checkpoint to resume from", (MAIN,),
+        ("0  found: its URL is printed", "1  no checkpoint qualifies (--explain says why)", ERROR),
+        "The newest verified checkpoint of RUN with at least --min-replicas verified durable replicas, "
+        "within the given limits."),
+    "verify": Command(
+        "re-hash a replica or local snapshot against its manifest", (MAIN,),
+        ("0  every byte matches", "1  a file is missing or does not match", ERROR),
+        "Read every file of a replica URL or a local snapshot folder, BLAKE3-hash it, compare it with the "
+        "manifest, and record the result in the catalog where the catalog knows the copy."),
+    "validate": Command(
+        "dry-run load validation of a snapshot folder", (MAIN,),
+        ("0  passed", "1  failed (each finding is printed)", ERROR),
+        "Load every tensor of a local snapshot safely (never plain pickle), count NaN/Inf in model and "
+        "optimizer state and, with --model, check a strict load against the model. The catalog is not used."),
+    "prune": Command(
+        "apply retention", (MAIN,),
+        ("0  done (or planned, with --dry-run)", "2  a deletion failed (the next prune retries it), or error"),
+        "Delete the checkpoints a retention policy does not keep. The newest verified checkpoint and the "
+        "two newest good ones are always kept, and nothing goes while a newer checkpoint is pending. The "
+        "policy comes from the flags or from [retention] / [runs.RUN] retention in config.toml."),
+    "demo": Command(
+        "train a tiny model, checkpoint it, corrupt one, run the pipeline, restore", (MAIN,),
+        ("0  the demo ran and restored the resume point", "1  no resume point was found", ERROR),
+        "Train a tiny model for 30 steps with three checkpoints, flip one bit in the last one, ingest all "
+        "three, show the catalog and the resume point, delete the local copies and restore from the "
+        "replica. It works in a temporary folder that it removes at the end (or in --dir, which it keeps)."),
+    "lineage": Command(
+        "the chain of checkpoints RUN STEP resumed or forked from", (CATALOG,),
+        (OK, "1  no such checkpoint", ERROR)),
+    "risk": Command(
+        "corruption risk of a run's checkpoints vs what scrubs found", (CATALOG,),
+        (OK, "1  no checkpoints recorded for the run", ERROR),
+        "P(corrupted) = 1 - (1-ε)^(8·S) per checkpoint and for the run, the expected number of corrupted "
+        "copies, what scrubs and verifies found, and a suggested scrub cadence."),
+    "pin": Command("pin a checkpoint: retention never deletes it", (CATALOG,),
+                   (OK, ERROR + "; also: no such checkpoint")),
+    "tag": Command("add (or --remove) tags on a checkpoint", (CATALOG,), (OK, ERROR + "; also: no such checkpoint")),
+    "metric": Command("record metrics on a checkpoint (for --keep-best)", (CATALOG,),
+                      (OK, ERROR + "; also: no such checkpoint")),
+    "evict": Command(
+        "free node-local space: delete local copies that have a verified replica", (CATALOG,), (OK, ERROR),
+        "Burst buffer: once ROOT is fuller than the high-water mark, delete the oldest local copies that "
+        "have verified durable replicas until the fill is at the low-water mark."),
+    "show": Command(
+        "the validation report of one checkpoint (each failure: tensor and why)", ("safepoint.cli.validation_cmds",),
+        ("0  the latest validation passed", "1  it failed, or the checkpoint was never validated or is unknown",
+         ERROR)),
+    "serve": Command(
+        "run the ingest (event-triggered), scrub and completeness deployments here", (EVENTS,),
+        ("0  stopped (Ctrl-C or SIGTERM)", ERROR),
+        "Serve Safepoint's deployments from this process with Prefect's serve(): ingest on each "
+        "safepoint.checkpoint.committed event, scrub and multi-node completeness on a schedule. No work pool "
+        "is needed."),
+    "metrics": Command("print Safepoint's Prometheus metrics once", (EVENTS,), (OK, ERROR)),
+    "parts": Command(
+        "completeness of multi-node checkpoints", (EVENTS,), (OK, ERROR),
+        "For each multi-node checkpoint: the ranks delivered and missing, and the deadline. With --apply, "
+        "sets past [multinode] timeout_s are marked incomplete."),
+    "reconcile": Command(
+        "repair the catalog from what the destinations hold", (REPAIR,),
+        ("0  consistent, or repaired", "1  problems remain that need a person (corrupt without a good copy, "
+         "conflicts, unreadable markers)", ERROR),
+        "After a crash: adopt or confirm committed replicas (re-hashed), mark vanished ones, re-replicate "
+        "bad replicas from a good copy, finish or abandon stuck ingests, and remove orphans untouched for "
+        "the grace period."),
+    "scrub": Command(
+        "re-verify a rotating slice of every verified replica; repair rot", (REPAIR,),
+        ("0  no rot, or all of it repaired", "1  a replica is left bad (no good copy to repair from)", ERROR)),
+    "server": Command(
+        "the local Prefect server used when PREFECT_API_URL is unset", ("safepoint.cli.server_cmds",),
+        ("0  done (status: running)", "1  status: none running", ERROR),
+        "start: start it ahead of time; status: print its address; stop: end it."),
+    "restore": Command(
+        "restore the resume point (or --step) into DIR, every byte verified", ("safepoint.cli.restore_cmds",),
+        ("0  restored", "1  no whole copy of anything in scope (with --step: of that step)", ERROR),
+        "Bring the resume point (or --step) back into DIR from the local copy or the replicas, every byte "
+        "BLAKE3-verified as it arrives. A bad file is fetched from the next replica and the bad replica "
+        "marked; without --step it falls back to the next older checkpoint when no copy is whole."),
 }
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, but the exit-code block keeps its lines (the description is still wrapped)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("exit codes:"):
+            return "\n".join(indent + line for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
+
+
+def epilog(command: Command) -> str:
+    """The exit-code block at the end of a command's help."""
+    return "exit codes:\n" + "\n".join(f"  {line}" for line in command.exits)
+
+
+def add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """--catalog and -v, accepted before the command (top) and after it (each command's parser)."""
+    default = {} if top else {"default": argparse.SUPPRESS}  # a subcommand must not reset what came before
+    parser.add_argument("--catalog", metavar="URL", help="catalog database URL (default: $SAFEPOINT_CATALOG_URL, "
+                        "else sqlite in $SAFEPOINT_HOME/catalog.db)", **default)
+    parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks and Prefect's own log lines",
+                        **default)
 
 
 class LazySubParsers(argparse._SubParsersAction):
@@ -71,7 +187,14 @@ class LazySubParsers(argparse._SubParsersAction):
             return super().add_parser(name, **kwargs)
         if self._name_parser_map[name] is None:
             kwargs.pop("help", None)
-            self._name_parser_map[name] = self._parser_class(prog=f"{self._prog_prefix} {name}", **kwargs)
+            command = COMMANDS.get(name)
+            if command is not None:
+                kwargs.setdefault("description", command.description or command.help)
+                kwargs.setdefault("epilog", epilog(command))
+                kwargs.setdefault("formatter_class", HelpFormatter)
+            parser = self._parser_class(prog=f"{self._prog_prefix} {name}", **kwargs)
+            add_global_options(parser, top=False)
+            self._name_parser_map[name] = parser
         return self._name_parser_map[name]
 
     def load(self, name: str) -> None:
@@ -93,6 +216,6 @@ class LazySubParsers(argparse._SubParsersAction):
 def add_commands(parser: argparse.ArgumentParser) -> LazySubParsers:
     """Declare every command of COMMANDS on `parser`; none of their modules is imported yet."""
     sub = parser.add_subparsers(dest="command", required=True, action=LazySubParsers)
-    for name, (text, modules) in COMMANDS.items():
-        sub.declare(name, text, modules)
+    for name, command in COMMANDS.items():
+        sub.declare(name, command.help, command.modules)
     return sub

@@ -68,10 +68,12 @@ def cmd_reconcile(args) -> int:
 
 def cmd_scrub(args) -> int:
     from safepoint.core.config import load_config
+    from safepoint.ops import progress
     from safepoint.ops.scrub import scrub_pass
 
     catalog = _catalog(args)
-    summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
+    with progress.bar("scrub", None, err, enabled=err.is_terminal and not args.json):
+        summary = scrub_pass(catalog, load_config(), subset=args.subset, run=args.run, repair=not args.no_repair)
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
@@ -100,12 +102,12 @@ def register(subparsers) -> None:
     s.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     s.add_argument("--no-repair", action="store_true", help="do not re-replicate bad replicas")
     s.add_argument("--no-finish", action="store_true", help="leave stuck ingests alone")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_reconcile)
 
     s = subparsers.add_parser("scrub")
     s.add_argument("--subset", default="16", help="'n': rotate through n slices (default 16); 'i/n': slice i")
     s.add_argument("--run", help="only this run")
     s.add_argument("--no-repair", action="store_true", help="only detect and record; do not re-replicate")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_scrub)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from safepoint.cli.main import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
+from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out, run_hint
 
 
 def _size(n: int) -> str:
@@ -35,7 +35,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except RestoreError as e:
         if args.json:
             print(json.dumps({"run": args.run, "step": args.step, "restored": False, "error": str(e)}))
-        err.print(f"safepoint: {'error: ' if e.exit_code == EXIT_ERROR else ''}{e}")
+        hint = run_hint(cat, args.run) if isinstance(e, NothingToRestore) else ""
+        err.print(f"safepoint: {'error: ' if e.exit_code == EXIT_ERROR else ''}{e}{hint}")
         return EXIT_BAD if isinstance(e, NothingToRestore) else EXIT_ERROR
     if args.json:
         print(json.dumps({"restored": True, **result.to_dict()}))
@@ -54,7 +55,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("restore")
-    s.add_argument("--run", required=True)
+    s.add_argument("--run", required=True, help="the run to restore")
     s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
     s.add_argument("--step", type=int, help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
     s.add_argument("--from", dest="sources", action="append", metavar="URL",
@@ -62,5 +63,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-replicas", type=int, default=1, help="verified replicas the resume point needs")
     s.add_argument("--force", action="store_true", help="replace whatever DIR holds")
     s.add_argument("--files", type=int, default=8, help="files fetched at once (default 8)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     s.set_defaults(fn=cmd_restore)

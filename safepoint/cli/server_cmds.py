@@ -41,5 +41,6 @@ def cmd_server(args) -> int:
 
 def register(sub) -> None:
     s = sub.add_parser("server")
-    s.add_argument("action", choices=["start", "stop", "status"])
+    s.add_argument("action", choices=["start", "stop", "status"],
+                   help="start it now, stop it, or print its address and pid")
     s.set_defaults(fn=cmd_server)

@@ -20,8 +20,8 @@ from safepoint.validation.report import consistency_line, finding_rows, tensor_r
 
 def register(subparsers: Any) -> None:
     s = subparsers.add_parser("show")
-    s.add_argument("run")
-    s.add_argument("step", type=int)
+    s.add_argument("run", metavar="RUN", help="run name")
+    s.add_argument("step", metavar="STEP", type=int, help="training step")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list N tensors (flagged first, then the largest norms)")
     s.add_argument("--json", action="store_true", help="the stored report (and stats with --tensors) as JSON")
@@ -29,12 +29,12 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_show(args: Any) -> int:
-    from safepoint.cli.common import _catalog, err, out
+    from safepoint.cli.common import _catalog, err, out, run_hint
 
     cat = _catalog(args)
     row = cat.get(args.run, args.step)
     if row is None:
-        err.print(f"no checkpoint {args.run}/{args.step} in the catalog")
+        err.print(f"no checkpoint {args.run}/{args.step} in the catalog{run_hint(cat, args.run)}")
         return EXIT_BAD
     v = cat.latest_validation(row.id)
     if v is None:
@@ -100,10 +100,11 @@ def cmd_show(args: Any) -> int:
     if args.tensors:
         ranked = tensor_rows(doc, stats)
         ranked.sort(key=lambda r: (r["verdict"] == "ok", -_num(r["norm"])))
-        t = Table("tensor", "verdict", "dtype", "shape", "norm", "max |x|", "NaN", "Inf",
+        t = Table("tensor", "file", "role", "verdict", "dtype", "shape", "norm", "max |x|", "NaN", "Inf",
                   title=f"Tensors ({min(args.tensors, len(ranked))} of {len(stats)})")
         for r in ranked[: args.tensors]:
-            t.add_row(r["tensor"], r["verdict"], str(r["dtype"]), r["shape"], r["norm"], r["max_abs"], str(r["nan"]),
+            t.add_row(escape(r["tensor"]), escape(r["file"]), r["role"], r["verdict"], str(r["dtype"]), r["shape"],
+                      r["norm"], r["max_abs"], str(r["nan"]),
                       str(r["inf"]), style=None if r["verdict"] == "ok" else "red")
         out.print(t)
     return EXIT_OK if v.ok else EXIT_BAD

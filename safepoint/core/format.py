@@ -40,9 +40,12 @@ def check_run(run: str) -> str:
     return run
 
 
+MAX_STEP = 2**63 - 1  # the catalog's BIGINT: a larger step could be sealed but never cataloged
+
+
 def check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise FormatError(f"invalid step {step!r}: must be an integer >= 0")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise FormatError(f"invalid step {step!r}: must be an integer in [0, 2**63 - 1]")
     return step
 
 

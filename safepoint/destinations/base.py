@@ -99,6 +99,15 @@ class Destination(ABC):
     def digest(self, run: str, step: int, relpath: str) -> str:
         """Read a stored file back and return its BLAKE3."""
 
+    def attest(self, run: str, step: int, relpath: str, size: int) -> str | None:
+        """The store's own proof (its name) that the file `upload` just sent is stored as sent, or None.
+
+        Only for a file this object uploaded, right after `upload` returned the manifest's BLAKE3:
+        then a checksum of the same buffers, checked by the store on arrival and returned by it,
+        stands for a read-back. None (the default: no store attests anything) means read it back.
+        """
+        return None
+
     def fetch(self, run: str, step: int, relpath: str, target: Path,
               on_bytes: Callable[[int], None] | None = None, *, size: int | None = None) -> str:
         """Copy a stored file to the local `target`, fsynced, and return the BLAKE3 of the bytes as they arrived.

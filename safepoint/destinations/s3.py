@@ -11,6 +11,14 @@ The data path, per file (docs/format.md, "Replica layout"):
 - `digest()` reads the object back with parallel ranged GETs, pinned to one version with
   `If-Match`, and BLAKE3-hashes it in order. That read-back is the verification; an ETag is never
   taken for a content hash;
+- with `checksum="SHA256"` (or `"CRC32"`), every request also carries that checksum of the very
+  buffer the upload BLAKE3-hashed, which the store checks on arrival (it refuses a wrong one:
+  bench/s3_checksums.py). `attest()` then reads the object's stored checksum (full, or composite
+  over the parts) with one HeadObject; when it is the one sent, the replica needs no read-back
+  (proof "s3-sha256" or "s3-crc32"). That holds only for a store that checks what arrives: once
+  per process and store, a tiny PUT and a part with a wrong checksum must both be refused, or
+  nothing is attested there. A store that keeps no checksum answers nothing; either way the
+  object is read back as always;
 - `MANIFEST.json`, then `COMMITTED` are written last, `COMMITTED` with `If-None-Match: *`, so only
   one writer can commit a replica. Multipart uploads left behind by an interrupted run (kill -9,
   a network that went away) are aborted before the manifest is written, and before a file's new
@@ -34,6 +42,7 @@ import hashlib
 import logging
 import os
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -71,6 +80,12 @@ def _code(e: BaseException) -> str | None:
 def _is_not_found(e: BaseException) -> bool:
     return _code(e) in NOT_FOUND or retry.http_status(e) == 404
 
+
+#: (endpoint, bucket, algorithm) -> whether that store refuses a wrong checksum (see _store_checks)
+_checks: dict[tuple[str, str, str], bool] = {}
+_checks_lock = threading.Lock()
+#: what stores answer to a wrong checksum or Content-MD5
+REFUSED = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"})
 
 _loader_lock = threading.Lock()
 _loader: Any = None
@@ -192,6 +207,7 @@ class S3Destination(Destination):
         self._client_obj: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._fetch_pool: BufferPool | None = None
+        self._sent: dict[str, tuple[str, str]] = {}  # key -> (algorithm, stored checksum its upload implies)
 
     # -- plumbing ----------------------------------------------------------------------------------
     @property
@@ -245,9 +261,9 @@ class S3Destination(Destination):
         head = self._head(self._key(run, step, relpath))
         return None if head is None else int(head["ContentLength"])
 
-    def _head(self, key: str) -> dict[str, Any] | None:
+    def _head(self, key: str, **extra: Any) -> dict[str, Any] | None:
         try:
-            return self._call("head_object", f"HEAD {self._where(key)}", Bucket=self.bucket, Key=key)
+            return self._call("head_object", f"HEAD {self._where(key)}", Bucket=self.bucket, Key=key, **extra)
         except _client_error() as e:
             if _is_not_found(e):
                 return None
@@ -255,6 +271,7 @@ class S3Destination(Destination):
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         key = self._key(run, step, entry.path)
+        self._remember(key, None)  # what an earlier upload of this key implied holds no more
         if entry.size <= max(self.tuning.part_size, SMALL):
             return self._upload_single(key, entry, source)
         if entry.size <= self.tuning.stream_put_max and not self.tuning.checksum:
@@ -300,9 +317,8 @@ class S3Destination(Destination):
             got += n
 
     def _checksum(self, data: memoryview | bytes) -> dict[str, str]:
-        if self.tuning.checksum == "SHA256":
-            return {"ChecksumSHA256": base64.b64encode(hashlib.sha256(data).digest()).decode()}
-        return {}
+        algo = self.tuning.checksum
+        return {} if algo is None else {_FIELD[algo]: base64.b64encode(_RAW[algo](data)).decode()}
 
     def _upload_single(self, key: str, entry: FileEntry, source: Path) -> str:
         hasher = new_hasher(0)
@@ -328,6 +344,7 @@ class S3Destination(Destination):
                 self._call("put_object", f"PUT {self._where(key)}", **params)
             except _client_error() as e:
                 raise self._fail(e, f"PUT {self._where(key)}") from e
+            self._remember(key, params.get(_FIELD.get(self.tuning.checksum or "", "")))
             return digest
         finally:
             os.close(fd)
@@ -366,6 +383,7 @@ class S3Destination(Destination):
                 futures.append((executor.submit(self._send_part, key, upload_id, number, buf, body, extra), buf))
             parts = [f.result() for f, _ in futures]  # the first failure raises here
             digest = hasher.hexdigest()
+            composite = _composite(self.tuning.checksum, parts)
             try:
                 self._call("complete_multipart_upload", f"complete upload {where}", Bucket=self.bucket, Key=key,
                            UploadId=upload_id, MultipartUpload={"Parts": parts})
@@ -376,6 +394,7 @@ class S3Destination(Destination):
                 if head is None or int(head["ContentLength"]) != entry.size:
                     raise self._fail(e, f"complete upload {where}") from e
             completed = True
+            self._remember(key, composite)
             return digest
         except _LocalChanged:
             return hasher.hexdigest()  # shorter than the manifest says: changed, never stored
@@ -400,6 +419,80 @@ class S3Destination(Destination):
         finally:
             self.pool.release(buf)
         return {"PartNumber": number, "ETag": r["ETag"], **extra}
+
+    def _remember(self, key: str, stored: str | None) -> None:
+        with self._lock:
+            if stored and self.tuning.checksum:
+                self._sent[key] = (self.tuning.checksum, stored)
+            else:
+                self._sent.pop(key, None)
+
+    def attest(self, run: str, step: int, relpath: str, size: int) -> str | None:
+        """"s3-sha256" / "s3-crc32" when the object this destination just uploaded is stored with the
+        checksum sent with it (checked by the store as the bytes arrived) and the right size; None:
+        read it back."""
+        key = self._key(run, step, relpath)
+        with self._lock:
+            algo, expected = self._sent.pop(key, (None, None))
+        if algo is None:
+            return None
+        if not self._store_checks(algo):
+            return None
+        head = self._head(key, ChecksumMode="ENABLED")
+        if head is None or int(head["ContentLength"]) != size or head.get(_FIELD[algo]) != expected:
+            return None
+        return f"s3-{algo.lower()}"
+
+    def _store_checks(self, algo: str) -> bool:
+        """Whether this store refuses a wrong `algo` checksum on a PUT and on a part (asked once per process).
+
+        A store that kept whatever checksum it was sent, unchecked, would make attest() vouch for
+        bytes nobody compared; this asks it to take a wrong one, and only a refusal counts.
+        """
+        ident = (str(self.client.meta.endpoint_url), self.bucket, algo)
+        with _checks_lock:  # held while asking: the files uploaded in parallel wait for one answer
+            if ident not in _checks:
+                _checks[ident] = self._ask_store(algo)
+            return _checks[ident]
+
+    def _ask_store(self, algo: str) -> bool:
+        key = "/".join(p for p in (self.prefix, f".safepoint-checksum-probe-{os.getpid()}-{threading.get_ident()}")
+                       if p)
+        wrong = {_FIELD[algo]: base64.b64encode(_RAW[algo](b"not the body")).decode()}
+        # Plain client calls: Safepoint's retries would resend a refused checksum as damage in flight.
+        checks = self._refuses(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=b"body", **wrong),
+                               key)
+        if checks:
+            upload_id = None
+            try:
+                upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
+                                                                ChecksumAlgorithm=algo)["UploadId"]
+                checks = self._refuses(lambda: self.client.upload_part(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"body", **wrong), None)
+            except Exception as e:  # noqa: BLE001 - a store that cannot even say: read back
+                log.info("%s: could not ask whether it checks %s on parts: %s", self.url, algo, retry.describe(e))
+                checks = False
+            finally:
+                if upload_id is not None:
+                    self._abort(key, upload_id)
+        if not checks:
+            log.warning("%s does not refuse a wrong %s checksum: its replicas are read back, not attested",
+                        self.url, algo)
+        return checks
+
+    def _refuses(self, call: Callable[[], Any], created: str | None) -> bool:
+        try:
+            call()
+        except _client_error() as e:
+            return _code(e) in REFUSED
+        except Exception:  # noqa: BLE001 - no answer is no refusal
+            return False
+        if created is not None:  # accepted: it kept an object we never wanted
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=created)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not delete probe object %s: %s", self._where(created), retry.describe(e))
+        return False
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
@@ -703,6 +796,22 @@ class S3Destination(Destination):
         if found:
             log.info("aborted %d unfinished multipart upload(s) under %s", len(found), self._where(prefix))
         return len(found)
+
+
+#: the additional checksums Safepoint sends (`checksum` option): request field, and the raw digest
+_FIELD = {"SHA256": "ChecksumSHA256", "CRC32": "ChecksumCRC32"}
+_RAW: dict[str, Callable[[Any], bytes]] = {
+    "SHA256": lambda data: hashlib.sha256(data).digest(),
+    "CRC32": lambda data: zlib.crc32(data).to_bytes(4, "big"),
+}
+
+
+def _composite(algo: str | None, parts: list[dict[str, Any]]) -> str | None:
+    """The checksum S3 stores for a multipart object (composite): the checksum of the parts' raw checksums, "-N"."""
+    if algo is None or not parts or not all(p.get(_FIELD[algo]) for p in parts):
+        return None
+    joined = b"".join(base64.b64decode(p[_FIELD[algo]]) for p in parts)
+    return f"{base64.b64encode(_RAW[algo](joined)).decode()}-{len(parts)}"
 
 
 def _age_s(initiated: Any) -> float:

@@ -35,6 +35,15 @@ def committed_folders(root: Path) -> Iterator[Path]:
             dirnames.sort()
 
 
+def marker_identity(folder: Path) -> tuple[int, int] | None:
+    """(mtime_ns, inode) of a folder's marker: changes when the folder is sealed again; None without one."""
+    try:
+        st = (folder / MARKER_NAME).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_mtime_ns, st.st_ino
+
+
 def pending_snapshots(root: Path, catalog: Catalog) -> Iterator[Path]:
     for folder in committed_folders(root):
         row = catalog.find_by_local_path(str(folder))
@@ -104,11 +113,7 @@ class EmitWatcher:
         self._last_timeouts = 0.0
 
     def _marker_id(self, folder: Path) -> tuple[int, int] | None:
-        try:
-            st = (folder / MARKER_NAME).stat()
-        except FileNotFoundError:
-            return None
-        return st.st_mtime_ns, st.st_ino
+        return marker_identity(folder)
 
     def scan(self) -> int:
         """Spool markers not seen before; returns how many were added."""

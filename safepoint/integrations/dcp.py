@@ -12,7 +12,9 @@ Two ways, by who calls `dcp.save`:
 
 DCP writes `.metadata` last, after every rank's `.distcp` data, so a folder with `.metadata` is
 finished (async saves included); one without is still being written and is left alone.
-To resume: `dcp.load(state_dict, checkpoint_id=str(safepoint.restore(run, into)))`, or point
+Saving a step again into its sealed folder (a resumed run) re-seals it: the old seal goes first.
+To resume: `sp_dcp.load(state_dict, safepoint.restore(run, into))` (`dcp.load`, and the restored
+checkpoint becomes the parent of the next one saved), or point
 torchtitan's `checkpoint.folder` at the restored folder's parent.
 """
 
@@ -23,11 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safepoint.integrations.sealing import SealOptions, seal, step_of_folder
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, step_of_folder, unseal_before_write
 from safepoint.local.snapshot import is_committed
 from safepoint.validation.loaders.dcp import METADATA_NAME
 
-__all__ = ["save", "seal_finished"]
+__all__ = ["load", "save", "seal_finished"]
 
 
 def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
@@ -38,8 +40,12 @@ def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step:
 
     folder = Path(root) / f"step-{step}"
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(state_dict, checkpoint_id=str(folder), process_group=process_group, **dcp_kwargs)
     distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        unseal_before_write(folder)  # a step saved again: its old seal goes before any new byte
+    if distributed:
+        dist.barrier(group=process_group)
+    dcp.save(state_dict, checkpoint_id=str(folder), process_group=process_group, **dcp_kwargs)
     if distributed:
         dist.barrier(group=process_group)
     if not distributed or dist.get_rank() == 0:
@@ -47,6 +53,15 @@ def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step:
     if distributed:
         dist.barrier(group=process_group)  # nobody moves on before the seal
     return folder
+
+
+def load(state_dict: dict[str, Any], folder: str | os.PathLike, *, process_group: Any = None,
+         **dcp_kwargs: Any) -> None:
+    """`dcp.load(state_dict)` from a sealed (or restored) folder; the next `save` then names it as its parent."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, checkpoint_id=os.fspath(folder), process_group=process_group, **dcp_kwargs)
+    note_resumed_from(folder)
 
 
 def seal_finished(root: str | os.PathLike, *, run: str, emit_to: Sequence[str] = (), node: str | None = None,

@@ -4,11 +4,20 @@
     trainer = Trainer(..., callbacks=[SafepointCallback(run="my-run")])
 
 `on_save` fires after the Trainer wrote the model (safetensors, sharded or not), `optimizer.pt`,
-`scheduler.pt`, `rng_state*.pth`, `trainer_state.json` and `training_args.bin`, and before
-`save_total_limit` rotates older folders away. The folder is sealed under `state.global_step`, the
-step `trainer_state.json` records (validation checks the two agree). With several processes every
-rank waits for the others to finish writing, then the main process (the local main one with
-`save_on_each_node`) seals. To resume: `trainer.train(resume_from_checkpoint=str(safepoint.restore(run, into)))`.
+`scheduler.pt`, `rng_state*.pth`, `trainer_state.json` and `training_args.bin`. The folder is sealed
+under `state.global_step`, the step `trainer_state.json` records (validation checks the two agree).
+With several processes every rank waits for the others to finish writing, then the main process
+(the local main one with `save_on_each_node`) seals.
+
+Resuming into the same `output_dir` (the ordinary HF way) re-saves `checkpoint-N` folders that are
+already sealed: `on_step_end` / `on_epoch_end` take the old seal away before the Trainer writes, and
+`on_save` seals the new bytes (a new version in the catalog). A resumed Trainer's checkpoints name
+their lineage parent: the one it resumed from, then the one before.
+
+`save_total_limit` makes the Trainer delete older folders itself (before `on_save` runs), whether or
+not they were ingested: the callback warns once, saying what to set instead.
+
+To resume: `trainer.train(resume_from_checkpoint=os.fspath(safepoint.restore(run, into)))`.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from safepoint.integrations.sealing import SealOptions, seal
+from safepoint.core import resumed
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, unseal_before_write
 
 __all__ = ["SafepointCallback"]
 
@@ -42,9 +52,42 @@ class SafepointCallback(TrainerCallback):
                  strict: bool = True) -> None:
         self.options = SealOptions(run, tuple(emit_to), node, workers, strict)
         self.sealed: list[Path] = []
+        self.warned_rotation = False
 
     def checkpoint_folder(self, args: Any, state: Any) -> Path:
         return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        limit = getattr(args, "save_total_limit", None)
+        if limit and not self.warned_rotation and state.is_world_process_zero:
+            self.warned_rotation = True
+            log.warning("safepoint: save_total_limit=%s makes the Trainer delete checkpoint folders itself, "
+                        "ingested or not, so a checkpoint can be lost before it is replicated. Set "
+                        "save_total_limit=None and let Safepoint's retention remove local copies (`safepoint "
+                        "evict`, `safepoint prune`)", limit)
+        if state.global_step > 0:  # resumed: the next checkpoint follows the one the Trainer resumed from
+            point = resumed.resumed_point()
+            if point is not None and point[1] == state.global_step:
+                return  # safepoint.restore noted it, with its run
+            chosen = getattr(args, "resume_from_checkpoint", None)
+            folder = Path(chosen) if isinstance(chosen, str) and chosen else self.checkpoint_folder(args, state)
+            if note_resumed_from(folder) is None:
+                resumed.note_resumed(self.options.run, state.global_step)
+
+    def _unseal_if_saving(self, args: Any, state: Any, control: Any) -> None:
+        """The Trainer saves right after this event: a sealed folder of that step loses its seal first."""
+        if not getattr(control, "should_save", False):
+            return
+        sealer = state.is_local_process_zero if getattr(args, "save_on_each_node", False) \
+            else state.is_world_process_zero
+        if sealer:
+            unseal_before_write(self.checkpoint_folder(args, state))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._unseal_if_saving(args, state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._unseal_if_saving(args, state, control)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _barrier()  # every rank's files are on disk before one of them is sealed

@@ -6,11 +6,14 @@
 `ModelCheckpoint` keeps choosing names and when to save; this CheckpointIO redirects each save of
 `dirpath/epoch=0-step=100.ckpt` to `dirpath/step-100/epoch=0-step=100.ckpt` (N is the checkpoint's
 own `global_step`, which validation checks against the catalog's step) and seals that folder at
-once. A second save at the same step (`last.ckpt`) is written where Lightning asked, unsealed: the
-sealed copy is already the resume point. Removing a sealed checkpoint (`save_top_k` rotation) only
+once. A second save at the same step under another name (`last.ckpt`) is written where Lightning
+asked, unsealed: the sealed copy is already the resume point. A save of the same file into a sealed
+folder (a run resumed from an older step into the same `dirpath`) re-seals it: the old seal goes
+first, then the new file, manifest and marker. Loading a checkpoint from a sealed folder (`fit(ckpt_path=...)`)
+makes it the lineage parent of the next one sealed. Removing a sealed checkpoint (`save_top_k` rotation) only
 removes files of folders that are not sealed: sealed ones belong to retention (`safepoint prune`).
 Single-file strategies (single device, DDP) write on global rank 0 only, which is where this runs.
-To resume: `trainer.fit(model, ckpt_path=str(next(safepoint.restore(run, into).glob("*.ckpt"))))`.
+To resume: `trainer.fit(model, ckpt_path=sealed_checkpoint(safepoint.restore(run, into)))`.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Any
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from safepoint.integrations.sealing import SealOptions, seal
-from safepoint.local.snapshot import is_committed
+from safepoint.core import resumed
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, unseal_before_write
+from safepoint.local.snapshot import LocalSnapshot, is_committed
 
-__all__ = ["SafepointCheckpointIO", "step_folder"]
+__all__ = ["SafepointCheckpointIO", "sealed_checkpoint", "step_folder"]
 
 log = logging.getLogger("safepoint.integrations")
 
@@ -36,6 +40,17 @@ def step_folder(path: str | os.PathLike, step: int) -> Path:
     """Where a checkpoint Lightning names `path` goes: a `step-N` folder beside it."""
     p = Path(path)
     return p.parent / f"step-{step}" / p.name
+
+
+def sealed_checkpoint(folder: str | os.PathLike) -> str:
+    """The `.ckpt` file of a sealed (or restored) `step-N` folder, for `fit(ckpt_path=...)`.
+
+    The one named after its step (`epoch=E-step=N.ckpt`) where the folder holds several."""
+    files = sorted(f.path for f in LocalSnapshot.open(folder).manifest.files if f.path.endswith(".ckpt"))
+    if not files:
+        raise FileNotFoundError(f"{os.fspath(folder)}: no .ckpt file in this checkpoint")
+    named = [f for f in files if "step=" in f]
+    return os.path.join(os.fspath(folder), (named or files)[0])
 
 
 class SafepointCheckpointIO(CheckpointIO):
@@ -51,14 +66,21 @@ class SafepointCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         target = step_folder(path, step)
         if is_committed(target.parent):
-            self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
+            if target.name not in {f.path for f in LocalSnapshot.open(target.parent).manifest.files}:
+                self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+                return
+            unseal_before_write(target.parent)  # the same checkpoint saved again (a resumed run): a new seal
         self.inner.save_checkpoint(checkpoint, target, storage_options=storage_options)
         if seal(target.parent, step, self.options) is not None:
             self.sealed.append(target.parent)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        loaded = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if note_resumed_from(Path(path).parent) is None and isinstance(loaded.get("global_step"), int):
+            point = resumed.resumed_point()
+            if point is None or point[1] != loaded["global_step"]:
+                resumed.note_resumed(self.options.run, loaded["global_step"])
+        return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
         p = Path(path)

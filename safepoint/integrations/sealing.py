@@ -3,6 +3,12 @@ optionally announce it (the `safepoint.checkpoint.committed` event, exactly as `
 sends it, with the same deterministic id, so a watcher that also sees the marker creates no
 second run).
 
+A trainer that re-saves a step it had sealed (a resume into its own output folder) gets a new seal:
+`unseal` takes the old marker away before the trainer writes, and `seal` re-seals what it wrote
+(`commit(reseal=True)`), recording the manifest it supersedes. After a resume (`safepoint.restore`,
+or a trainer resuming from a sealed folder), each sealed checkpoint names its lineage parent
+(safepoint.core.resumed).
+
 An event that cannot be sent never stops training: it is logged, and the marker on disk still lets
 `safepoint watch` pick the checkpoint up. A failed seal does stop it (`CommitError`), because
 training on without a resume point is what Safepoint exists to prevent; `strict=False` logs instead.
@@ -17,14 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from safepoint.core.errors import CommitError
+from safepoint.core import resumed
+from safepoint.core.errors import CommitError, FormatError
 from safepoint.core.format import Manifest
 from safepoint.events.markers import Marker
-from safepoint.local.commit import commit
-from safepoint.local.snapshot import LocalSnapshot
+from safepoint.local.commit import commit, unseal
+from safepoint.local.snapshot import LocalSnapshot, is_committed
 from safepoint.ops.leases import this_host
 
-__all__ = ["SealOptions", "emit_committed", "seal", "step_of_folder"]
+__all__ = ["SealOptions", "emit_committed", "note_resumed_from", "seal", "step_of_folder", "unseal_before_write"]
 
 log = logging.getLogger("safepoint.integrations")
 _STEP_FOLDER = re.compile(r"^(?:step|checkpoint)[-_=]?(\d+)$")
@@ -65,16 +72,40 @@ def emit_committed(folder: str | os.PathLike, to: Sequence[str], *, node: str | 
     return marker.event_id
 
 
-def seal(folder: str | os.PathLike, step: int, options: SealOptions) -> Manifest | None:
-    """commit(folder, run, step), then the event if asked. None when sealing failed and not strict."""
+def unseal_before_write(folder: str | os.PathLike) -> bool:
+    """A trainer is about to write into `folder`: if it is sealed, take the seal away first (True)."""
+    if not is_committed(folder):
+        return False
+    unseal(folder)
+    log.info("safepoint: %s is being re-saved: its old seal was removed; it is sealed again once written", folder)
+    return True
+
+
+def note_resumed_from(folder: str | os.PathLike) -> tuple[str, int] | None:
+    """A trainer resumes from `folder`: when it is sealed, its (run, step) parents the next checkpoint."""
     try:
-        manifest = commit(folder, options.run, step, node=options.node, workers=options.workers)
+        m = LocalSnapshot.open(folder).manifest
+    except (FormatError, OSError):
+        return None
+    resumed.note_resumed(m.run, m.step)
+    return m.run, m.step
+
+
+def seal(folder: str | os.PathLike, step: int, options: SealOptions) -> Manifest | None:
+    """commit(folder, run, step) (re-sealing a re-saved folder), then the event if asked.
+
+    None when sealing failed and not strict."""
+    try:
+        manifest = commit(folder, options.run, step, node=options.node, workers=options.workers, reseal=True,
+                          parent=resumed.parent_for(options.run, step))
     except CommitError as e:
         if options.strict:
             raise
         log.error("safepoint: %s", e)
         return None
-    log.info("safepoint: sealed %s as %s/%s (%d files)", folder, options.run, step, len(manifest.files))
+    resumed.note_sealed(options.run, step)
+    what = "re-sealed" if "supersedes" in manifest.meta else "sealed"
+    log.info("safepoint: %s %s as %s/%s (%d files)", what, folder, options.run, step, len(manifest.files))
     if options.emit_to:
         emit_committed(folder, options.emit_to, node=options.node, timeout_s=options.event_timeout_s)
     return manifest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -15,9 +16,11 @@ from safepoint.core.errors import CommitError, FormatError
 from safepoint.core.format import (
     MANIFEST_NAME,
     MARKER_NAME,
+    TMP_PREFIX,
     FileEntry,
     Manifest,
     build_manifest,
+    digest_bytes,
     marker_for,
     safe_relpath,
 )
@@ -92,33 +95,107 @@ def commit(
     meta: dict[str, Any] | None = None,
     files: Iterable[FileEntry] | None = None,
     workers: int = 2,
+    reseal: bool = False,
 ) -> Manifest:
     """Seal `folder` as checkpoint (run, step) and return its manifest.
 
     `files` lets a writer that already hashed its bytes (the Snapshotter) skip re-hashing; they
     are still fsynced. Re-committing an already committed folder with the same run and step is a
-    no-op. Raises CommitError and writes no marker on any failure.
+    no-op while its files still match the manifest. When they no longer do (a trainer re-saved the
+    step after a resume), it is a CommitError unless `reseal`: then the old marker goes first, and
+    the new manifest records the one it supersedes (`meta["supersedes"]`), so the catalog keeps the
+    re-saved bytes as a new version instead of the old ones. Raises CommitError and writes no
+    marker on any failure.
     """
     root = Path(folder)
     if not root.is_dir() or root.is_symlink():
         raise CommitError(f"{folder}: not a directory")
     root = root.resolve()
     with _exclusive(root, folder):
+        if is_committed(root):
+            existing = _sealed_before(root, folder, run, step, reseal=reseal, workers=workers)
+            if existing is not None:
+                return existing
+        supersedes = _superseded(root)
+        if supersedes is not None and "supersedes" not in (meta or {}):
+            meta = {**(meta or {}), "supersedes": supersedes}
         return _commit_locked(root, folder, run, step, parent=parent, world_size=world_size, ranks=ranks, node=node,
                               meta=meta, files=files, workers=workers)
+
+
+#: left by `unseal` until the folder is sealed again: which seal the new one supersedes
+SUPERSEDED_NAME = f"{TMP_PREFIX}superseded.json"
+
+
+def unseal(folder: str | os.PathLike) -> None:
+    """Take a folder's seal away before its files change: the marker first (made durable), then the manifest.
+
+    From then on the folder is an unsealed one being written, never a sealed one whose bytes lie. A
+    note of the old manifest's digest stays until the next commit, which records it as superseded
+    (`meta["supersedes"]`), even when the process died in between.
+    """
+    root = Path(folder)
+    try:
+        digest: str | None = digest_bytes(LocalSnapshot.open(root).manifest_bytes)
+    except FormatError:
+        digest = None  # a marker that binds nothing: there is no seal to supersede
+    if digest is not None and _superseded(root) is None:
+        write_replace(root / SUPERSEDED_NAME, json.dumps({"supersedes": digest}).encode())
+    (root / MARKER_NAME).unlink(missing_ok=True)
+    fsync_dir(root)
+    (root / MANIFEST_NAME).unlink(missing_ok=True)
+
+
+def _superseded(root: Path) -> str | None:
+    data = _read_or_none(root / SUPERSEDED_NAME)
+    try:
+        value = json.loads(data or b"null")
+    except ValueError:
+        return None
+    found = value.get("supersedes") if isinstance(value, dict) else None
+    return found if isinstance(found, str) and len(found) == 64 else None
+
+
+def still_matches(snap: LocalSnapshot, workers: int = 2) -> str | None:
+    """None when a sealed folder holds exactly its manifest's files, byte for byte; else what differs."""
+    listed = set(data_files(snap.root))
+    named = {f.path for f in snap.manifest.files}
+    if listed != named:
+        extra, gone = sorted(listed - named), sorted(named - listed)
+        return ", ".join(x for x in (f"new files {extra[:3]}" if extra else "",
+                                     f"missing {gone[:3]}" if gone else "") if x)
+    report = snap.verify(workers=workers)
+    return None if not report.problems else report.summary()
+
+
+def _sealed_before(root: Path, folder: str | os.PathLike, run: str, step: int, *, reseal: bool,
+                   workers: int) -> Manifest | None:
+    """A folder that already has a marker: its manifest when committing again is a no-op, None when
+    it is to be sealed anew (its old seal was removed, noted as superseded)."""
+    try:
+        snap = LocalSnapshot.open(root)
+    except FormatError as e:
+        if not reseal:
+            raise CommitError(f"{folder}: has a COMMITTED marker that is not valid: {e}") from None
+        unseal(root)
+        return None
+    existing = snap.manifest
+    if (existing.run, existing.step) != (run, step):
+        raise CommitError(f"{folder}: already committed as {existing.run}/{existing.step}")
+    differs = still_matches(snap, workers)
+    if differs is None:
+        return existing
+    if not reseal:
+        raise CommitError(f"{folder}: sealed as {run}/{step}, but its files no longer match that seal ({differs}); "
+                          "nothing was committed. If the trainer re-saved this step, seal it again with "
+                          "`safepoint commit --reseal`")
+    unseal(root)
+    return None
 
 
 def _commit_locked(root: Path, folder: str | os.PathLike, run: str, step: int, *, parent: tuple[str, int] | None,
                    world_size: int, ranks: Iterable[int] | None, node: str | None, meta: dict[str, Any] | None,
                    files: Iterable[FileEntry] | None, workers: int) -> Manifest:
-    if is_committed(root):
-        try:
-            existing = LocalSnapshot.open(root).manifest
-        except FormatError as e:
-            raise CommitError(f"{folder}: has a COMMITTED marker that is not valid: {e}") from None
-        if (existing.run, existing.step) != (run, step):
-            raise CommitError(f"{folder}: already committed as {existing.run}/{existing.step}")
-        return existing
     ours: bytes | None = None
     try:
         names = _scan(root)
@@ -143,6 +220,7 @@ def _commit_locked(root: Path, folder: str | os.PathLike, run: str, step: int, *
         ours = marker_for(manifest_bytes, manifest).to_json_bytes()
         if not write_exclusive(root / MARKER_NAME, ours):  # never replaces a marker, even one we did not see
             raise CommitError(f"could not commit {folder}: committed concurrently by another writer")
+        (root / SUPERSEDED_NAME).unlink(missing_ok=True)
     except (OSError, FormatError) as e:
         # A marker renamed into place before a failed fsync of the folder is of unknown durability:
         # it must not stand, or the "nothing was committed" below would be a lie.

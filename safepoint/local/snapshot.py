@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,8 +86,8 @@ class LocalSnapshot:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def verify(self, workers: int = 2) -> VerifyReport:
-        """Re-hash every local file against the manifest."""
+    def verify(self, workers: int = 2, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Re-hash every local file against the manifest; `progress` gets each file's size once hashed."""
         report = VerifyReport()
         safe = []
         for entry in self.manifest.files:
@@ -96,7 +97,13 @@ class LocalSnapshot:
             except FormatError:
                 report.files[entry.path] = FileStatus.UNSAFE_PATH
         sub = Manifest(self.manifest.run, self.manifest.step, tuple(safe), self.manifest.created)
-        inner = verify_manifest(sub, self.size_of, lambda p: hash_path(self.path_of(p))[1], workers=workers)
+        def digest(path: str) -> str:
+            out = hash_path(self.path_of(path))
+            if progress is not None:
+                progress(out[0])
+            return out[1]
+
+        inner = verify_manifest(sub, self.size_of, digest, workers=workers)
         report.files.update(inner.files)
         report.bytes_checked = inner.bytes_checked
         return report

@@ -7,10 +7,13 @@ copies whose checkpoint has a verified durable replica are deleted, oldest first
 is back under the low-water mark. A copy the pipeline may still read (pending states), one with
 no verified replica, or the newest one of each run (fast restart) is never evicted.
 
-`plan_eviction` is pure (safepoint.rules.eviction). `evict` measures, plans and deletes: for each copy it first asks the
-catalog to confirm the plan still holds (claim_local_eviction: same version, still evictable,
-replica still verified), then deletes the marker first (the folder stops being a committed
-snapshot for every reader), then the data files, then the manifest, then records the removal.
+`plan_eviction` is pure (safepoint.rules.eviction). `evict` measures, plans and deletes: for
+each copy it first asks the catalog to confirm the plan still holds (claim_local_eviction: same
+version, still evictable, replica still verified) and re-reads the replicas it relies on (a
+replica verified at ingest may have rotted since: one that no longer matches its manifest is marked corrupt, and without
+`min_replicas` whole ones the local copy, perhaps the last good one, stays), then deletes the
+marker first (the folder stops being a committed snapshot for every reader), then the data files,
+then the manifest, then records the removal.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safepoint.catalog.views import LocalCopy
+from safepoint.core.config import Config, load_config
+from safepoint.core.errors import SafepointError
+from safepoint.core.states import CheckpointState as CS
+from safepoint.core.states import ReplicaState as RS
+from safepoint.destinations import open_destination
 from safepoint.local.safe_delete import remove_snapshot_folder
+from safepoint.ops.replicate import verify_replica
 from safepoint.rules.eviction import EVICTABLE, EvictionPlan, Usage, plan_eviction
 
 log = logging.getLogger("safepoint.ops.evict")
@@ -86,9 +96,38 @@ class EvictionResult:
     skipped: list[str] = field(default_factory=list)    # the catalog no longer allowed it, or not ours
 
 
+def whole_replicas(catalog, copy: LocalCopy, needed: int, config: Config) -> int:
+    """Re-hash the copy's verified replicas until `needed` of them still match their manifest; how many did.
+
+    A replica that no longer does (rotted, deleted behind our back) is marked corrupt on the way."""
+    whole = 0
+    for r in catalog.replicas(copy.checkpoint_id):
+        if whole >= needed:
+            break
+        if r.state is not RS.VERIFIED:
+            continue
+        try:
+            dest = open_destination(r.destination, config.storage_options(r.destination))
+            try:
+                report = verify_replica(dest, copy.run, copy.step)
+            finally:
+                dest.close()
+        except (OSError, SafepointError) as e:
+            log.warning("%s: could not be re-read before eviction (%s); counted as not whole", r.url, e)
+            continue
+        if report.outcome is CS.VERIFIED:
+            whole += 1
+            continue
+        log.error("%s: no longer matches its manifest (%s): marked corrupt; the local copy stays", r.url,
+                  report.summary())
+        catalog.set_replica(copy.checkpoint_id, r.url, r.destination, RS.CORRUPT,
+                            error=f"re-verified before eviction: {report.summary()}")
+    return whole
+
+
 def evict(catalog, root: str | os.PathLike[str], *, high_water: float = 0.85, low_water: float | None = None,
           capacity_bytes: int | None = None, min_replicas: int = 1, keep_newest: int = 1,
-          dry_run: bool = False) -> EvictionResult:
+          dry_run: bool = False, config: Config | None = None) -> EvictionResult:
     """Measure `root`, plan, and (unless `dry_run`) delete the chosen local copies."""
     root = Path(root).resolve()  # the catalog holds resolved paths (safepoint commit resolves them)
     copies = [c for c in catalog.local_copies(root) if Path(c.path).is_dir()]
@@ -98,8 +137,12 @@ def evict(catalog, root: str | os.PathLike[str], *, high_water: float = 0.85, lo
     result = EvictionResult(p)
     if dry_run:
         return result
+    config = config or load_config()
     for d in p.evict:
         c = d.copy
+        if whole_replicas(catalog, c, max(1, min_replicas), config) < max(1, min_replicas):
+            result.skipped.append(c.path)  # what the plan relied on is gone: this copy may be the last good one
+            continue
         if not catalog.claim_local_eviction(c, states=EVICTABLE, min_replicas=min_replicas):
             result.skipped.append(c.path)
             continue

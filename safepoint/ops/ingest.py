@@ -21,6 +21,7 @@ from safepoint.core.format import digest_bytes
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
+from safepoint.destinations.check import check_destinations
 from safepoint.destinations.parts import check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import assemble, progress, reconcile, steps
@@ -61,6 +62,7 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     to = list(destinations) or list(config.section("ingest").get("to", []))
     if not to:
         raise ValueError("no destination: pass `to` or set [ingest] to = [...] in config.toml")
+    check_destinations(to, config.storage_options)  # before any state changes: a bad one is one clear error
     t0 = time.perf_counter()
     snapshot = str(folder)
     try:
@@ -115,8 +117,8 @@ def replicate_one(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url
     """
     with ingest_leases(catalog, snap.manifest, url, config):
         if is_part(snap.manifest):
-            return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook())
-        return steps.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook())
+            return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook(url))
+        return steps.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook(url))
 
 
 def _as_result(url: str, answer: ReplicaResult | BaseException) -> ReplicaResult:

@@ -1,14 +1,15 @@
-"""Progress of long operations (ingest, verify) for the command line: one rich bar fed by byte counts.
+"""Progress of long operations (ingest, restore, verify, scrub, the demo) for the command line: rich bars.
 
-Library code reports bytes through `hook()` (None when nobody watches, which is the normal case in
-flows run by a server); the CLI installs a bar around a long call with `bar(...)`. The hook is
-process-wide because Prefect runs tasks in worker threads; rich's Progress is thread-safe. rich is
-imported only when a bar is shown, so a disabled bar (not a terminal) costs nothing at start-up.
+Library code reports bytes through `hook(key)` (None when nobody watches, which is the normal case in
+flows run by a server); the CLI installs bars around a long call with `bars(...)` / `bar(...)`, one
+per destination where it knows them. The hooks are process-wide because Prefect runs tasks in worker
+threads; rich's Progress is thread-safe. rich is imported only when a bar is shown, so a disabled
+bar (not a terminal, or --json) costs nothing at start-up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -16,42 +17,83 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 Hook = Callable[[int], None]
-_hook: Hook | None = None
+_hooks: dict[str | None, Hook] = {}
 
 
-def hook() -> Hook | None:
-    """The active progress callback (bytes done since the last call), or None."""
-    return _hook
+def hook(key: str | None = None) -> Hook | None:
+    """The active progress callback (bytes done since the last call) for `key` (a destination URL),
+    else the one for every key; None when nobody watches."""
+    return _hooks.get(key) or _hooks.get(None)
+
+
+def _transfer_columns() -> tuple[Any, ...]:
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn())
+
+
+@contextmanager
+def bars(rows: Sequence[tuple[str | None, str, int | None]], console: Console | Any | None = None, *,
+         enabled: bool = True) -> Iterator[dict[str | None, Hook]]:
+    """One transfer bar per (key, description, total bytes) for the block; `hook(key)` feeds that bar.
+
+    `console` is a rich Console, or a stand-in that makes one on demand as its `rich` attribute (the
+    CLI's consoles, which import rich only when output needs it). Disabled: no bars, no hooks, no rich.
+    """
+    if not enabled:
+        yield {key: (lambda n: None) for key, _d, _t in rows}
+        return
+    from rich.progress import Progress
+
+    with Progress(*_transfer_columns(), console=getattr(console, "rich", console), transient=True) as p:
+        mine: dict[str | None, Hook] = {}
+        for key, description, total in rows:
+            task = p.add_task(description, total=total)
+            mine[key] = lambda n, task=task: p.advance(task, n)
+        previous = dict(_hooks)
+        _hooks.update(mine)
+        try:
+            yield mine
+        finally:
+            _hooks.clear()
+            _hooks.update(previous)
 
 
 @contextmanager
 def bar(description: str, total_bytes: int | None, console: Console | Any | None = None, *,
         enabled: bool = True) -> Iterator[Hook]:
-    """Show a transfer bar for the block and route `hook()` to it; a no-op bar when disabled.
+    """One transfer bar for the block, fed by `hook()` for every key; a no-op when disabled."""
+    with bars([(None, description, total_bytes)], console, enabled=enabled) as hooks:
+        yield hooks[None]
 
-    `console` is a rich Console, or a stand-in that makes one on demand as its `rich` attribute (the
-    CLI's consoles, which import rich only when output needs it).
-    """
-    global _hook
+
+class Steps:
+    """A bar of named steps (the demo's): `next("ingest step-10")` finishes one and names the next."""
+
+    def __init__(self, progress: Any = None, task: Any = None) -> None:
+        self._progress, self._task, self._started = progress, task, False
+
+    def next(self, description: str) -> None:
+        if self._progress is None:
+            return
+        if self._started:
+            self._progress.advance(self._task)
+        self._started = True
+        self._progress.update(self._task, description=description)
+
+
+@contextmanager
+def steps(total: int, console: Console | Any | None = None, *, enabled: bool = True) -> Iterator[Steps]:
+    """A step bar for the block (on `console`, cleared at the end); what else is printed shows above it."""
     if not enabled:
-        yield lambda n: None
+        yield Steps()
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console = getattr(console, "rich", console)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as p:
-        task = p.add_task(description, total=total_bytes)
-
-        def advance(n: int) -> None:
-            p.advance(task, n)
-
-        previous, _hook = _hook, advance
-        try:
-            yield advance
-        finally:
-            _hook = previous
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=getattr(console, "rich", console), transient=True) as p:
+        yield Steps(p, p.add_task("starting", total=total))
 
 
 class CountingDestination:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from safepoint.catalog.store import Catalog, open_catalog
+from safepoint.core import resumed
 from safepoint.core.config import Config, load_config
 from safepoint.core.errors import FormatError, SafepointError, UsageError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX, Manifest
@@ -74,7 +75,10 @@ class TargetNotEmpty(RestoreError, UsageError):
 
 
 @dataclass
-class RestoreResult:
+class RestoreResult(os.PathLike):
+    """What a restore did; also the restored folder itself (`os.fspath`, `str`, `/`, `Path(...)`), so a
+    trainer's loader takes it as it is: `resume_from_checkpoint=os.fspath(safepoint.restore(run, into))`."""
+
     run: str
     step: int
     path: Path
@@ -89,6 +93,15 @@ class RestoreResult:
         return {"run": self.run, "step": self.step, "path": str(self.path), "sources": self.sources,
                 "bytes_fetched": self.bytes_fetched, "bytes_reused": self.bytes_reused,
                 "seconds": round(self.seconds, 3), "failed": self.failed, "fell_back_from": self.fell_back_from}
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return os.fspath(self.path)
+
+    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
+        return self.path / other
 
 
 # -- the target folder ------------------------------------------------------------------------
@@ -279,6 +292,7 @@ def restore(
                                    time.perf_counter() - t0, failed_all, fell_back)
             catalog.add_event(EVENT, checkpoint_id=choice.checkpoint_id,
                               detail={**result.to_dict(), "path": str(target)})
+            resumed.note_resumed(run, choice.step)  # the next checkpoint sealed here follows this one
             return result
         reason = "no whole copy" if fetched.verdict is Verdict.NO_COPY else "copies could not be read"
         catalog.add_event(f"{EVENT}.failed", checkpoint_id=choice.checkpoint_id,

@@ -31,6 +31,7 @@ from safepoint.core.verify import FileStatus, VerifyReport, check_file
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
 from safepoint.local.snapshot import resolve_inside
+from safepoint.ops.progress import CountingDestination, hook
 from safepoint.ops.reconcile import repair as repair_checkpoints
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.verify import verify_url
@@ -104,8 +105,9 @@ def slice_plan(dest: Destination, target: Target, index: int, of: int) -> tuple[
 def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
     """Hash a batch of a replica's files (runs wherever the runner puts it: here, a thread or a Dask worker)."""
     dest = open_destination(destination, config.storage_options(destination))
+    counted = CountingDestination(dest, hook()) if hook() else dest  # feeds the CLI's progress bar
     try:
-        return verify_files(dest, run, step, files)
+        return verify_files(counted, run, step, files)  # type: ignore[arg-type]
     finally:
         dest.close()
 

@@ -103,7 +103,8 @@ def replicate_to(
             dest.delete_files(m.run, m.step, [p for p, s in result.remote.items() if s is not FileStatus.OK])
         if key is None:
             catalog.set_replica(checkpoint_id, result.url, result.destination, result.state,
-                                bytes=m.total_bytes if result.state is RS.VERIFIED else 0, error=result.error)
+                                bytes=m.total_bytes if result.state is RS.VERIFIED else 0, error=result.error,
+                                proof=result.proof if result.state is RS.VERIFIED else None)
             return result
         catalog.add_event("part.replica", checkpoint_id=checkpoint_id, detail={
             "part": key, "node": m.node, "ranks": list(m.held_ranks), "url": result.url,

@@ -46,8 +46,8 @@ def validate_checkpoint(
     baseline = baseline_from_catalog(catalog, m.run, m.step, parent=row.parent if row is not None else m.parent)
     report = validate_snapshot(snap.root, [f.path for f in m.files], model=harness, settings=settings, step=m.step,
                                baseline=baseline, **(options or {}))
-    catalog.record_validation(checkpoint_id, report.ok, report.summary(), report.to_dict(), stat_rows(report.stats),
-                              started_at=started)
+    catalog.record_validation(checkpoint_id, report.ok, report.summary(), report.to_dict(),
+                              stat_rows(report.stats, settings.rules.role), started_at=started)
     state = {"verified": CS.VERIFIED, "incomplete": CS.INCOMPLETE}.get(str(report.outcome), CS.INVALID)
     catalog.transition(checkpoint_id, state, expect={CS.VALIDATING},
                        error=None if state is CS.VERIFIED else report.summary())

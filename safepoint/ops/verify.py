@@ -39,7 +39,7 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
     local = Path(url[len("file://"):]) if url.startswith("file://") else None
     if found is None and local is not None and (local / MARKER_NAME).exists():
         try:
-            report = LocalSnapshot.open(local).verify()
+            report = LocalSnapshot.open(local).verify(progress=hook())
         except FormatError as e:
             report = VerifyReport(error=str(e))
         row = catalog.find_by_local_path(str(local))
@@ -61,7 +61,8 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
         dest.close()
     if found:
         row, _rep = found
-        catalog.set_replica(row.id, snap_url, dest.url, state, error=None if state is RS.VERIFIED else report.summary())
+        catalog.set_replica(row.id, snap_url, dest.url, state, error=None if state is RS.VERIFIED else report.summary(),
+                            proof="read-back" if state is RS.VERIFIED else None)
         settle_copies(catalog, row.id)
     return report, snap_url
 

@@ -13,6 +13,7 @@ from safepoint.core.errors import FormatError
 from safepoint.core.format import MARKER_NAME
 from safepoint.core.verify import VerifyReport
 from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.progress import hook
 
 
 def local_target(target: str) -> Path | None:
@@ -30,7 +31,7 @@ def verify_unknown_local(target: str, catalog_url: str | None) -> tuple[VerifyRe
     if knows_local(catalog_url, str(local), ["file://" + str(local)]) is not False:
         return None
     try:
-        report = LocalSnapshot.open(local).verify()
+        report = LocalSnapshot.open(local).verify(progress=hook())
     except FormatError as e:
         report = VerifyReport(error=str(e))
     return report, str(local)

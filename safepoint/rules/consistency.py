@@ -15,6 +15,15 @@ moved; equal heads with both whole digests present are settled by the digests; e
 older step has no whole digest (its own baseline's head differed, so it was not hashed whole) are
 settled by the stats (norm, max |x|, NaN/Inf counts and value all equal), and the finding says so.
 
+Names are not trusted alone: a kind whose tensors moved by name is also compared as a multiset
+(every tensor matched to a distinct earlier tensor of equal dtype, shape, head and whole digest, or
+stats where the older one has no digest), so stale state whose equal-shape entries were swapped
+(state.0 <-> state.1) is still stale.
+
+A GradScaler step skipped on inf gradients is normal mixed-precision training: weights and moments
+stay as they were, the optimizer's `step` does not advance, and the scaler's scale backs off. Where
+the scaler's scale went down and the optimizer counter did not move, nothing is duplicate or stale.
+
 A stale rule fires only when *every* compared tensor of a kind is unchanged while the other kind
 moved: frozen layers (fine-tuning, LoRA) leave some parameters identical, never all of them while the
 optimizer moves, and they hold no optimizer state at all. Adam's `step` counters are left out of the
@@ -25,12 +34,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 __all__ = ["DUPLICATE", "RULES", "STALE_OPTIMIZER", "STALE_WEIGHTS", "TORN", "Change", "ConsistencyFinding",
-           "Counters", "consistency_findings", "is_step_counter", "tensor_change", "torn_findings"]
+           "Counters", "consistency_findings", "is_step_counter", "scaler_skipped", "tensor_change", "torn_findings"]
 
 STALE_OPTIMIZER, STALE_WEIGHTS, DUPLICATE, TORN = "stale_optimizer", "stale_weights", "duplicate", "torn"
 RULES = (STALE_OPTIMIZER, STALE_WEIGHTS, DUPLICATE, TORN)
@@ -98,15 +107,16 @@ class Counters:
     optimizer: float | None = None
     scheduler: float | None = None
     trainer: float | None = None
+    scaler: float | None = None   # a GradScaler's scale (fp16 mixed precision), not a step counter
 
     def to_dict(self) -> dict[str, Any]:
         return {"catalog": self.catalog, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "trainer": self.trainer}
+                "trainer": self.trainer, "scaler": self.scaler}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, catalog: int) -> Counters:
         d = d or {}
-        return cls(catalog, d.get("optimizer"), d.get("scheduler"), d.get("trainer"))
+        return cls(catalog, d.get("optimizer"), d.get("scheduler"), d.get("trainer"), d.get("scaler"))
 
 
 _COUNTER_NAMES = {"trainer": "trainer global_step", "scheduler": "scheduler last_epoch",
@@ -121,10 +131,11 @@ class _Side:
     same: list[str]
     by_stats: list[str]
     unknown: list[str]
+    renamed: list[str] = field(default_factory=list)  # identical to an earlier tensor under another name
 
     @property
     def compared(self) -> int:
-        return len(self.moved) + len(self.same) + len(self.by_stats)
+        return len(self.moved) + len(self.same) + len(self.by_stats) + len(self.renamed)
 
     @property
     def unchanged(self) -> bool:
@@ -133,7 +144,7 @@ class _Side:
 
     @property
     def identical(self) -> list[str]:
-        return self.same + self.by_stats
+        return self.same + self.by_stats + self.renamed
 
 
 def _kind(row: Mapping[str, Any]) -> str | None:
@@ -147,10 +158,12 @@ def _kind(row: Mapping[str, Any]) -> str | None:
 
 def _sides(current: Sequence[Mapping[str, Any]], baseline: Mapping[str, Mapping[str, Any]]) -> dict[str, _Side]:
     sides = {k: _Side([], [], [], []) for k in (PARAMETER, OPTIMIZER_STATE)}
+    rows: dict[str, list[Mapping[str, Any]]] = {PARAMETER: [], OPTIMIZER_STATE: []}
     for row in current:
         kind = _kind(row)
         if kind is None:
             continue
+        rows[kind].append(row)
         side, name = sides[kind], str(row["name"])
         old = baseline.get(name)
         if old is None:  # new state (a parameter unfrozen, state created lazily): a change
@@ -159,7 +172,26 @@ def _sides(current: Sequence[Mapping[str, Any]], baseline: Mapping[str, Mapping[
         change = tensor_change(old, row)
         {Change.MOVED: side.moved, Change.SAME: side.same, Change.SAME_BY_STATS: side.by_stats,
          Change.UNKNOWN: side.unknown}[change].append(name)
+    for kind, side in sides.items():
+        if side.moved and not side.unknown and _same_multiset(rows[kind], baseline.values()):
+            side.renamed, side.moved = side.moved, []
     return sides
+
+
+def _same_multiset(rows: Sequence[Mapping[str, Any]], earlier: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether every row matches a distinct earlier tensor, whatever the names (swapped equal-shape entries)."""
+    pool: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for old in earlier:
+        if old.get("head"):
+            pool.setdefault((old["head"], old.get("dtype"), tuple(old.get("shape") or ())), []).append(old)
+    for row in rows:
+        group = pool.get((row.get("head"), row.get("dtype"), tuple(row.get("shape") or ())), [])
+        hit = next((i for i, old in enumerate(group) if tensor_change(old, row) in (Change.SAME, Change.SAME_BY_STATS)),
+                   None)
+        if hit is None:
+            return False
+        group.pop(hit)
+    return bool(rows)
 
 
 def _named(names: Iterable[str]) -> tuple[str, ...]:
@@ -172,10 +204,14 @@ def _list(names: Sequence[str]) -> str:
 
 
 def _by_stats_note(side: _Side, before: int) -> str:
-    if not side.by_stats:
-        return ""
-    return (f" ({len(side.by_stats)} of them judged identical by equal norm, max |x| and counts: "
-            f"step {before} recorded no whole-tensor digest for them)")
+    note = ""
+    if side.renamed:
+        note += (f" ({len(side.renamed)} of them identical to step {before}'s tensors under other names: "
+                 f"entries swapped, e.g. {_list(side.renamed)})")
+    if side.by_stats:
+        note += (f" ({len(side.by_stats)} of them judged identical by equal norm, max |x| and counts: "
+                 f"step {before} recorded no whole-tensor digest for them)")
+    return note
 
 
 def consistency_findings(current: Sequence[Mapping[str, Any]], baseline: Mapping[str, Mapping[str, Any]], *,
@@ -186,10 +222,17 @@ def consistency_findings(current: Sequence[Mapping[str, Any]], baseline: Mapping
     stat key; counters / before: the step counters of each (before None: no earlier checkpoint).
     """
     out: list[ConsistencyFinding] = []
-    if before is not None:
+    if before is not None and not scaler_skipped(counters, before):
         out += _stale_findings(_sides(current, baseline), before.catalog, counters.catalog)
     out += torn_findings(counters, before)
     return out
+
+
+def scaler_skipped(counters: Counters, before: Counters) -> bool:
+    """A GradScaler skipped the steps in between: its scale backed off and the optimizer did not step."""
+    if counters.scaler is None or before.scaler is None or not counters.scaler < before.scaler:
+        return False
+    return counters.optimizer is None or before.optimizer is None or counters.optimizer == before.optimizer
 
 
 def _stale_findings(sides: dict[str, _Side], before: int, step: int) -> list[ConsistencyFinding]:

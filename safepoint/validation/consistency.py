@@ -47,7 +47,19 @@ def counters_of(stats: Iterable[TensorStat], values: Mapping[str, Any], recorded
                  and (x := _number(v)) is not None]
     trainer = [x for r in recorded if (x := _number(r.value)) is not None]
     return Counters(catalog=step, optimizer=max(optimizer) if optimizer else None, scheduler=_one(scheduler),
-                    trainer=max(trainer) if trainer else None)
+                    trainer=max(trainer) if trainer else None, scaler=_one(_scaler_scales(values)))
+
+
+def _scaler_scales(values: Mapping[str, Any]) -> list[float]:
+    """A GradScaler's `scale` (its state_dict: scale, growth_factor, backoff_factor, _growth_tracker)."""
+    out = []
+    for k, v in values.items():
+        if k == "scale" or k.endswith(".scale"):
+            prefix = k[: -len("scale")]
+            if f"{prefix}_growth_tracker" in values or f"{prefix}backoff_factor" in values:
+                if (x := _number(v)) is not None:
+                    out.append(x)
+    return out
 
 
 def check_consistency(stats: list[TensorStat], counters: Counters, baseline: Baseline | None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safepoint.rules.magnitude import out_of_bound
 from safepoint.validation.consistency import check_consistency, counters_of
 from safepoint.validation.layouts import PLAIN as PLAIN_LAYOUT
 from safepoint.validation.layouts import RecordedStep, step_mismatches
@@ -123,6 +124,7 @@ class Judge:
         self.folder = folder
         self.settings = settings
         self.heads = heads or {}  # the previous checkpoint's head digests by stat key (audit.baseline_heads)
+        self._heads_seen: frozenset[str] | None = None  # their values, whatever the name (reading.same_head)
         self.limits = settings.limits
         self.report = ValidationReport()
         self.values: dict[str, Any] = {}   # plain leaves and one-element tensors, for the harness
@@ -201,6 +203,14 @@ class Judge:
                 self.report.warnings.append(Finding(j.file, j.name, Problem.NORM_JUMP, message, str(role)))
             else:
                 self.flag(j.file, Problem.NORM_JUMP, message, j.name)
+
+    def run_bounds(self) -> None:
+        """Parameters beyond the absolute bound (safepoint.rules.magnitude): needs no baseline."""
+        roles = self.stat_roles()
+        rows = ({"file": s.file, "name": s.name, "dtype": s.dtype, "max_abs": s.max_abs,
+                 "role": str(roles.get((s.file, s.name), ""))} for s in self.report.stats)
+        for hit in out_of_bound(rows, self.settings.thresholds.max_abs_parameter):
+            self.flag(hit.file, Problem.MAGNITUDE, hit.message, hit.name)
 
     def run_consistency(self, baseline: Baseline | None, step: int | None) -> None:
         """The consistency rules against the baseline; the counters are kept for the next checkpoint's."""

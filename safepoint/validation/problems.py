@@ -38,6 +38,7 @@ class Problem(str, Enum):
     LOAD = "load"                      # the model's own load_state_dict (dry run on meta) refused it
     # Numerical audit against the previous verified checkpoint (safepoint.validation.audit):
     NORM_JUMP = "norm_jump"            # a tensor's norm moved by more than the configured factor
+    MAGNITUDE = "magnitude"            # a parameter's |x| beyond max_abs_parameter (safepoint.rules.magnitude)
     # Consistency with the previous verified checkpoint (safepoint.rules.consistency), named as its rules:
     STALE_OPTIMIZER = "stale_optimizer"  # every optimizer tensor byte-identical while the parameters moved
     STALE_WEIGHTS = "stale_weights"      # every parameter byte-identical while the optimizer state moved

@@ -125,9 +125,11 @@ class Reader(Judge):
                 self.nonfinite(file, name, Problem.INF, st.inf_count)
 
     def same_head(self, file: str, name: str) -> Callable[[str], bool]:
-        """Whether to digest a tensor whole: only where the previous checkpoint's head is the same."""
-        previous = {self.heads.get(name), self.heads.get(f"{file}:{name}")} - {None}
-        return previous.__contains__
+        """Whether to digest a tensor whole: where the previous checkpoint has a tensor with the same head,
+        under this name or another (the consistency rules compare the multiset, not only the names)."""
+        if self._heads_seen is None:
+            self._heads_seen = frozenset(self.heads.values())
+        return self._heads_seen.__contains__
 
     def run(self, files: list[str]) -> ValidationReport:
         present: list[str] = []

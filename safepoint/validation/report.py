@@ -40,13 +40,15 @@ def _fmt(x: Any) -> str:
 
 
 def tensor_rows(doc: dict[str, Any], stats: list[dict[str, Any]], limit: int = MAX_TABLE_ROWS) -> list[dict[str, Any]]:
-    """Per-tensor stats with each tensor's verdict; flagged tensors first, then by name; at most `limit`."""
+    """Per-tensor stats with each tensor's file, role and verdict; flagged tensors first, then by name; at
+    most `limit`. File and role are "-" for stats recorded before the catalog kept them."""
     verdict: dict[str, str] = {}
     for r in finding_rows(doc):
         if r["tensor"]:
             verdict.setdefault(r["tensor"], f"{r['severity']}: {r['problem']}")
     rows = [{
-        "tensor": s["name"], "verdict": verdict.get(s["name"], verdict.get(s["name"].split(":", 1)[-1], "ok")),
+        "tensor": s["name"], "file": s.get("file") or "-", "role": s.get("role") or "-",
+        "verdict": verdict.get(s["name"], verdict.get(s["name"].split(":", 1)[-1], "ok")),
         "dtype": s.get("dtype"), "shape": "x".join(str(d) for d in s.get("shape") or []) or "scalar",
         "norm": _fmt(s.get("norm")), "max_abs": _fmt(s.get("max_abs")),
         "nan": int(s.get("nan_count") or 0), "inf": int(s.get("inf_count") or 0),

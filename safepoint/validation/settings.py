@@ -7,6 +7,8 @@
     norm_jump_rms_floor = 1e-2     # and so do norms whose RMS is below this (zero-initialised biases)
     norm_jump_min_numel = 2        # smaller tensors (step counters) are not compared
     norm_jump_ignore = ["*.step"]  # glob patterns of tensor names never compared
+    max_abs_parameter = 1e20       # a float32/bf16 parameter with |x| beyond this is damage, even in
+                                   # a run's first checkpoint (a flipped exponent bit; 0 turns it off)
     warn_only = ["dtype"]          # problems reported as warnings: flagged, but not failing; also the
                                    # consistency rules: stale_optimizer, stale_weights, duplicate, torn
     model_key = "model"            # where the model's state sits (default: best of model, state_dict,
@@ -56,7 +58,8 @@ ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORME
 
 _THRESHOLD_KEYS = {"norm_jump_factor": "norm_jump_factor", "norm_floor": "norm_floor",
                    "norm_jump_rms_floor": "rms_floor",
-                   "norm_jump_min_numel": "min_numel", "norm_jump_ignore": "ignore"}
+                   "norm_jump_min_numel": "min_numel", "norm_jump_ignore": "ignore",
+                   "max_abs_parameter": "max_abs_parameter"}
 _LIMIT_KEYS = {f.name for f in fields(Limits)}
 _OWN_KEYS = {"model", "model_key", "optimizer_key", "step_key", "check_step", "warn_only", "device", "threads",
              "opaque_pickle", "unknown_format", "rules", "roles"}

