@@ -19,7 +19,7 @@ NOT_PYTHON = {
     "safepoint.manifest": "MANIFEST.json's format identifier",
     "safepoint.marker": "COMMITTED's format identifier",
     "safepoint.snapshot": "a rank-done/snapshot format identifier (docs/format.md)",
-    "safepoint.node": "the event label that routes a marker to its node's deployment (prefect-fleet.yaml)",
+    "safepoint.node": "a Prefect event resource label (safepoint.events)",
 }
 
 

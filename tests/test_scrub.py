@@ -12,8 +12,8 @@ from safepoint.core.config import Config
 from safepoint.core.format import FileEntry, build_manifest
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
-from safepoint.ops import scrub
 from safepoint.ops.ingest import ingest
+from safepoint.rules import scrub as scrub_rules
 
 
 def manifest(n: int):
@@ -24,11 +24,11 @@ def manifest(n: int):
 @pytest.mark.parametrize("of", [1, 2, 3, 7, 16])
 def test_slices_partition_the_files(of):
     m = manifest(40)
-    slices = [scrub.select(m, i, of) for i in range(of)]
+    slices = [scrub_rules.select(m, i, of) for i in range(of)]
     paths = [f.path for s in slices for f in s]
     assert sorted(paths) == [f.path for f in m.files]       # every file in exactly one slice
     assert len(set(paths)) == len(paths)
-    assert [scrub.select(m, i, of) for i in range(of)] == slices  # stable
+    assert [scrub_rules.select(m, i, of) for i in range(of)] == slices  # stable
 
 
 @pytest.mark.parametrize(("previous", "of", "expected"), [
@@ -36,18 +36,18 @@ def test_slices_partition_the_files(of):
     ({"index": 2, "of": 8}, 4, 0),  # the number of slices changed: start over
 ])
 def test_next_slice_rotates(previous, of, expected):
-    assert scrub.next_slice(previous, of) == expected
+    assert scrub_rules.next_slice(previous, of) == expected
 
 
 @pytest.mark.parametrize(("text", "expected"), [("16", (None, 16)), ("1/4", (0, 4)), ("4/4", (3, 4))])
 def test_parse_subset(text, expected):
-    assert scrub.parse_subset(text) == expected
+    assert scrub_rules.parse_subset(text) == expected
 
 
 @pytest.mark.parametrize("text", ["0", "0/4", "5/4", "x"])
 def test_parse_subset_rejects(text):
     with pytest.raises(ValueError):
-        scrub.parse_subset(text)
+        scrub_rules.parse_subset(text)
 
 
 def ingested(tmp_path: Path, catalog, step: int, files: int = 6) -> Path:
@@ -83,9 +83,9 @@ def test_scrub_flow_rotates_and_finds_rot(tmp_path, prefect_api, sqlite_catalog_
     path.write_bytes(bytes(data))
     from safepoint.core.format import build_manifest as bm
 
-    index = scrub.slice_of("sc", 2, victim, 3)
+    index = scrub_rules.slice_of("sc", 2, victim, 3)
     other = (index + 1) % 3
-    assert victim not in {f.path for f in scrub.select(bm("sc", 2, m), other, 3)}
+    assert victim not in {f.path for f in scrub_rules.select(bm("sc", 2, m), other, 3)}
     # The slice without the file does not see the rot; the slice with it does, and the full
     # verification that follows records the replica as corrupt.
     assert scrub_replicas(subset=f"{other + 1}/3", catalog_url=sqlite_catalog_url)["problems"] == 0

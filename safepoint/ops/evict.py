@@ -7,10 +7,10 @@ copies whose checkpoint has a verified durable replica are deleted, oldest first
 is back under the low-water mark. A copy the pipeline may still read (pending states), one with
 no verified replica, or the newest one of each run (fast restart) is never evicted.
 
-`plan_eviction` is pure. `evict` measures, plans and deletes: for each copy it first asks the
-catalog to confirm the plan still holds (claim_local_eviction: same version, still evictable,
-replica still verified) and re-reads the replicas it relies on (a replica verified at ingest may
-have rotted since: one that no longer matches its manifest is marked corrupt, and without
+`plan_eviction` is pure (safepoint.rules.eviction). `evict` measures, plans and deletes: for
+each copy it first asks the catalog to confirm the plan still holds (claim_local_eviction: same
+version, still evictable, replica still verified) and re-reads the replicas it relies on (a
+replica verified at ingest may have rotted since: one that no longer matches its manifest is marked corrupt, and without
 `min_replicas` whole ones the local copy, perhaps the last good one, stays), then deletes the
 marker first (the folder stops being a committed snapshot for every reader), then the data files,
 then the manifest, then records the removal.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,108 +33,9 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.local.safe_delete import remove_snapshot_folder
 from safepoint.ops.replicate import verify_replica
-from safepoint.rules.resume import check_min_replicas
+from safepoint.rules.eviction import EVICTABLE, EvictionPlan, Usage, plan_eviction
 
 log = logging.getLogger("safepoint.ops.evict")
-
-# Checkpoints whose local bytes nothing in the pipeline needs any more.
-EVICTABLE = frozenset({CS.VERIFIED, CS.INVALID})
-
-
-@dataclass(frozen=True)
-class Usage:
-    used: int
-    total: int
-
-    @property
-    def fill(self) -> float:
-        return self.used / self.total if self.total > 0 else 1.0
-
-
-@dataclass(frozen=True)
-class EvictionDecision:
-    copy: LocalCopy
-    evict: bool
-    reason: str
-    size: int
-
-
-@dataclass(frozen=True)
-class EvictionPlan:
-    usage: Usage
-    high_water: float
-    low_water: float
-    decisions: tuple[EvictionDecision, ...] = ()
-
-    @property
-    def evict(self) -> tuple[EvictionDecision, ...]:
-        return tuple(d for d in self.decisions if d.evict)
-
-    @property
-    def projected_fill(self) -> float:
-        freed = sum(d.size for d in self.evict)
-        return Usage(max(0, self.usage.used - freed), self.usage.total).fill
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
-
-
-def plan_eviction(copies: Sequence[LocalCopy], sizes: Mapping[str, int], usage: Usage, *,
-                  high_water: float = 0.85, low_water: float | None = None, min_replicas: int = 1,
-                  keep_newest: int = 1) -> EvictionPlan:
-    """Which local copies to delete, oldest first, with a reason for every copy.
-
-    `sizes` maps a copy's path to its bytes on disk; `usage` is the root's fill. Nothing is
-    evicted at or below `high_water`; above it, eligible copies go oldest first until the fill
-    would reach `low_water` (default high_water - 0.10).
-    """
-    check_min_replicas(min_replicas)
-    if not 0 < high_water <= 1:
-        raise ValueError("high_water must be in (0, 1]")
-    low = max(0.0, high_water - 0.10) if low_water is None else low_water
-    if not 0 <= low <= high_water:
-        raise ValueError("low_water must be in [0, high_water]")
-
-    why_not: dict[int, str] = {}
-    eligible: list[int] = []
-    for i, c in enumerate(copies):
-        if c.state not in EVICTABLE:
-            why_not[i] = f"state {c.state}: only verified or invalid checkpoints lose their local copy"
-        elif c.verified_replicas < max(1, min_replicas):
-            why_not[i] = (f"{c.verified_replicas} verified durable replica(s), {max(1, min_replicas)} required "
-                          "before the local copy may go")
-        else:
-            eligible.append(i)
-    # The newest eligible copies of each run stay for fast restarts.
-    by_run: dict[str, list[int]] = {}
-    for i in eligible:
-        by_run.setdefault(copies[i].run, []).append(i)
-    for run, idx in by_run.items():
-        for i in sorted(idx, key=lambda i: copies[i].step, reverse=True)[: max(0, keep_newest)]:
-            why_not[i] = f"newest local copy of run {run}: kept for fast restarts"
-
-    over = usage.fill > high_water
-    need = usage.used - int(low * usage.total)
-    freed = 0
-    decisions: list[EvictionDecision] = []
-    order = sorted(range(len(copies)), key=lambda i: (copies[i].created_at, copies[i].step, copies[i].path))
-    for i in order:
-        c, size = copies[i], int(sizes.get(copies[i].path, 0))
-        if i in why_not:
-            decisions.append(EvictionDecision(c, False, why_not[i], size))
-        elif not over:
-            decisions.append(EvictionDecision(
-                c, False, f"fill {_pct(usage.fill)} is not above the {_pct(high_water)} high-water mark", size))
-        elif freed >= need:
-            decisions.append(EvictionDecision(c, False, f"enough freed: fill reaches the {_pct(low)} target", size))
-        else:
-            freed += size
-            decisions.append(EvictionDecision(
-                c, True, f"oldest replicated copy: fill {_pct(usage.fill)} > {_pct(high_water)}, "
-                f"target {_pct(low)}", size))
-    return EvictionPlan(usage, high_water, low, tuple(decisions))
-
 
 # -- I/O ----------------------------------------------------------------------------------------
 

@@ -8,9 +8,9 @@ followed at once by a full verification through `safepoint.ops.verify.verify_url
 the replica as corrupt or missing and settles the checkpoint (the last good copy is never dropped);
 then what rot damaged is re-replicated from a copy that still verifies (safepoint.ops.reconcile).
 
-The choice of what to read is pure (`slice_of`, `select`, `next_slice`). `scrub_pass` is the one
-composition: the CLI runs it inline, the scrub flow (flows/scrub.py) with a runner that fans the
-`verify-batch` steps out (threads or Dask).
+The choice of what to read is pure (safepoint.rules.scrub). `scrub_pass` is the one composition:
+the CLI runs it inline, the scrub flow (flows/scrub.py) with a runner that fans the `verify-batch`
+steps out (threads or Dask).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, load_committed
 from safepoint.core.hashing import hash_path
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
@@ -36,41 +36,9 @@ from safepoint.ops.reconcile import repair as repair_checkpoints
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.verify import verify_url
 from safepoint.rules.batching import batch_limits, batches
+from safepoint.rules.scrub import next_slice, parse_subset, select
 
 SCRUB_EVENT = "scrub"
-
-
-def slice_of(run: str, step: int, path: str, of: int) -> int:
-    """The slice (0..of-1) a file belongs to; stable for a given file."""
-    return int(digest_bytes(f"{run}/{step}/{path}".encode())[:12], 16) % of
-
-
-def select(manifest: Manifest, index: int, of: int) -> list[FileEntry]:
-    """The files of slice `index` of `of`."""
-    if of < 1 or not 0 <= index < of:
-        raise ValueError(f"slice {index}/{of} is out of range")
-    return [f for f in manifest.files if slice_of(manifest.run, manifest.step, f.path, of) == index]
-
-
-def next_slice(previous: dict[str, Any] | None, of: int) -> int:
-    """The slice after the last pass (restart at 0 when the number of slices changed)."""
-    if not previous or previous.get("of") != of:
-        return 0
-    return (int(previous.get("index", -1)) + 1) % of
-
-
-def parse_subset(text: str) -> tuple[int | None, int]:
-    """'n' -> (None, n): rotate through n slices; 'i/n' -> slice i-1 of n (1-based, as restic)."""
-    if "/" in text:
-        a, b = text.split("/", 1)
-        i, n = int(a), int(b)
-        if n < 1 or not 1 <= i <= n:
-            raise ValueError(f"subset {text!r}: need 1 <= i <= n")
-        return i - 1, n
-    n = int(text)
-    if n < 1:
-        raise ValueError(f"subset {text!r}: need n >= 1")
-    return None, n
 
 
 @dataclass(frozen=True)
