@@ -118,7 +118,8 @@ def test_replication_fsync_eio_at_every_point(tmp_path, template, monkeypatch, s
         assert fs.failed not in fs.after_failure, f"fsync #{k}: {fs.failed} fsynced again after EIO"
         failed = Path(fs.failed)
         if failed.name.startswith(TMP_PREFIX) and failed.is_relative_to(snapdir):
-            final = (failed.parent / failed.name[len(TMP_PREFIX):].rsplit(".", 1)[0]).relative_to(snapdir)
+            # temp names are TMP_PREFIX + name + ".<pid>.<random>" (safepoint.local.atomic)
+            final = (failed.parent / failed.name[len(TMP_PREFIX):].rsplit(".", 2)[0]).relative_to(snapdir)
             if final.as_posix() in files:
                 checked += 1
                 assert not (snapdir / final).exists(), f"{final} reached its final name after its fsync failed"
