@@ -40,7 +40,11 @@ def check_destinations(urls: Iterable[str], storage_options: Any = None) -> None
 
 
 def _check_bucket(url: str, options: dict[str, Any] | None) -> None:
-    """HEAD the bucket once (no retries): it exists and these credentials may reach it."""
+    """HEAD the bucket once (no retries): it exists and these credentials may reach it.
+
+    Only definite answers fail here (no credentials, 404, 403). A 5xx, throttling or a dropped connection is
+    transient: the operation itself runs under the destination's retries and decides.
+    """
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     from safepoint.destinations.retry import error_code, http_status
@@ -60,8 +64,7 @@ def _check_bucket(url: str, options: dict[str, Any] | None) -> None:
         if status == 403 or code in ("403", "AccessDenied", "Forbidden"):
             raise DestinationError(f"{where}: AccessDenied: these credentials may not use bucket "
                                    f"{dest.bucket!r}") from None
-        raise DestinationError(f"{where}: {code or status}: {e}") from None
-    except BotoCoreError as e:
-        raise DestinationError(f"{where}: {e}") from None
+    except BotoCoreError:
+        pass
     finally:
         dest.close()
