@@ -243,6 +243,22 @@ class Commits(CatalogBase):
         s.flush()
         return self._row(s, ck, m.run)
 
+    def record_whole_manifest(self, checkpoint_id: int, manifest_blake3: str) -> bool:
+        """Bind a multi-node checkpoint to the BLAKE3 of its whole (merged) manifest, once its last part
+        assembled: restore, verify and scrub then hold every copy to it. The merge is deterministic, so
+        every destination's is the same; False (nothing changed) when another digest is recorded."""
+        with self._write() as s:
+            ck = s.execute(sa.select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
+                           ).scalar_one_or_none()
+            if ck is None:
+                raise CatalogError(f"no checkpoint with id {checkpoint_id}")
+            if ck.manifest_blake3 is not None:
+                return ck.manifest_blake3 == manifest_blake3
+            ck.manifest_blake3, ck.updated_at = manifest_blake3, utcnow()
+            self._event(s, "assembled", checkpoint_id=ck.id, run_id=ck.run_id,
+                        detail={"manifest_blake3": manifest_blake3})
+            return True
+
     # -- lookups ------------------------------------------------------------------------------
 
     def get(self, run: str, step: int) -> CheckpointRow | None:

@@ -5,8 +5,10 @@ The rules (docs/format.md, "Multi-node checkpoints"):
 - each node's ingest registers its part (catalog.record_commit merges files and ranks), replicates
   it under the part's own control folder (safepoint.destinations.parts), and then tries to assemble;
 - assembling succeeds only when the catalog holds every expected rank *and* every part has
-  committed at the destination; the ingest that succeeds moves the checkpoint to `replicated` and
-  validates it. No ingest ever waits for another node: the last part to arrive finishes the set;
+  committed at the destination; the ingest that succeeds records the BLAKE3 of the whole (merged)
+  manifest in the catalog, which binds the checkpoint as one object (restore, verify and scrub hold
+  every copy to it), moves the checkpoint to `replicated` and validates it. No ingest ever waits
+  for another node: the last part to arrive finishes the set;
 - a periodic check (`apply_timeouts`, run by the completeness flow and by watchers) marks a set
   that stayed partial past its timeout `incomplete`, so resume points never wait on a dead rank;
 - a part that arrives after that re-opens the set (`incomplete` -> `replicating`) and, if it
@@ -25,6 +27,7 @@ from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointRow
 from safepoint.core.config import Config
 from safepoint.core.errors import FormatError
+from safepoint.core.format import Manifest, digest_bytes
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
@@ -103,7 +106,11 @@ def try_assemble(catalog: Catalog, checkpoint_id: int, urls: list[str], config: 
         dest = open_destination(url, config.storage_options(url))
         try:
             res = assemble_parts(dest, row.run, row.step, parts)
-            if res.state is Assembly.COMMITTED:
+            if res.state is Assembly.COMMITTED and not _bind(catalog, checkpoint_id, res.manifest):
+                error = f"{res.url}: its whole manifest is not the one the catalog recorded"
+                catalog.set_replica(checkpoint_id, res.url, dest.url, RS.FAILED, error=error)
+                notes.append(error)
+            elif res.state is Assembly.COMMITTED:
                 catalog.set_replica(checkpoint_id, res.url, dest.url, RS.VERIFIED, bytes=row.total_bytes)
                 assembled = True
             elif res.state is Assembly.CONFLICT:
@@ -121,6 +128,11 @@ def try_assemble(catalog: Catalog, checkpoint_id: int, urls: list[str], config: 
     won = catalog.transition(checkpoint_id, CS.REPLICATED, expect={CS.REPLICATING},
                              detail={"parts": sorted(parts, key=int)})
     return Settled(catalog.get_by_id(checkpoint_id).state, won=won, message="all parts assembled")
+
+
+def _bind(catalog: Catalog, checkpoint_id: int, whole: Manifest | None) -> bool:
+    """Record the whole manifest's digest (the first assembly does); False if it is not the recorded one."""
+    return whole is not None and catalog.record_whole_manifest(checkpoint_id, digest_bytes(whole.to_json_bytes()))
 
 
 def settle_part(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, results: list[ReplicaResult],

@@ -10,7 +10,9 @@ it into `into`, several at once:
   match (safepoint.local.atomic.publish);
 - a file that fails at one source is fetched from the next one in the ordered list (healing file by
   file); a source found bad is reported in the attempts, with the reason, for the catalog;
-- files already in `into` that verify are reused (a fetch cut short is finished by running it again).
+- files already in `into` that verify are reused (a fetch cut short is finished by running it again);
+- a source that is one node's part (`Source.part`: the digest its manifest must have) supplies only
+  the files it holds; when no whole source binds the manifest, the parts' merge must (multi-node).
 
 `seal(into, fetched)` then writes MANIFEST.json and COMMITTED (the source's exact bytes), fsynced:
 `into` is a committed Safepoint snapshot. `fetched_copy(...)` does both into a temporary folder
@@ -41,11 +43,13 @@ from safepoint.core.format import (
     Manifest,
     digest_bytes,
     load_committed,
+    marker_for,
 )
 from safepoint.core.hashing import hash_path
 from safepoint.core.redact import redact
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
+from safepoint.destinations.parts import merge_manifests
 from safepoint.local.atomic import fsync_dir, publish, write_replace
 from safepoint.local.copy import copy_and_hash
 from safepoint.local.snapshot import LocalSnapshot, read_small, resolve_inside
@@ -81,6 +85,7 @@ class _Reader:
 
     def __init__(self, source: Source, run: str, step: int, dest: Destination | None):
         self.source, self.run, self.step, self.dest = source, run, step, dest
+        self.holds: dict[str, FileEntry] | None = None   # a part's files; None: every file of the manifest
 
     def control(self, name: str) -> bytes | None:
         if self.dest is None:
@@ -167,16 +172,25 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
     good: list[_Reader] = []
     manifest = None
     manifest_bytes = marker_bytes = b""
+    parts: list[tuple[Manifest, str]] = []
     for r in readers:
         try:
-            m, mb, kb = _read_manifest(r, run, step, expect)
+            m, mb, kb = _read_manifest(r, run, step, r.source.part or expect)
         except Exception as e:  # noqa: BLE001 - classified: bad, missing or unreadable
             outcome, reason = classify(e)
             attempts.setdefault(MANIFEST_NAME, []).append(Attempt(r.source, outcome, reason))
             continue
-        if manifest is None:
+        if r.source.part is not None:
+            r.holds = {f.path: f for f in m.files}
+            parts.append((m, r.source.part))
+        elif manifest is None:
             manifest, manifest_bytes, marker_bytes, expect = m, mb, kb, digest_bytes(mb)
         good.append(r)
+    if manifest is None and parts:
+        merged = _merge_parts(parts, expect)
+        if merged is not None:
+            manifest, manifest_bytes, marker_bytes = merged
+            expect = digest_bytes(manifest_bytes)
     if manifest is None:
         verdict = file_verdict(attempts.get(MANIFEST_NAME, []), len(readers)) or Verdict.NO_COPY
         return Fetched(verdict if readers else Verdict.NO_COPY, attempts)
@@ -203,7 +217,8 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
         tries: list[Attempt] = []
-        for r in good:
+        holders = [r for r in good if r.holds is None or r.holds.get(entry.path) == entry]
+        for r in holders:
             if stop.is_set():
                 return Verdict.UNREADABLE
             outcome, reason = _fetch_one(r, entry, tmp, final, on_bytes)
@@ -214,7 +229,7 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
                 break
         with lock:
             attempts.setdefault(entry.path, []).extend(tries)
-        return file_verdict(tries, len(good)) or Verdict.NO_COPY
+        return file_verdict(tries, len(holders)) or Verdict.NO_COPY
 
     entries = sorted((by_path[p] for p in to_fetch), key=lambda f: -f.size)  # big first: even the load
     verdicts: list[Verdict] = []
@@ -237,6 +252,19 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
     out.used = [r.source.url for r in good if r.source.url in used]
     out.fetched = sum(by_path[p].size for p in to_fetch)
     return out
+
+
+def _merge_parts(parts: list[tuple[Manifest, str]], expect: str | None) -> tuple[Manifest, bytes, bytes] | None:
+    """The whole manifest and marker made from the parts (the merge is deterministic), or None when
+    they do not hold every rank or do not merge into the manifest the catalog recorded."""
+    try:
+        merged = merge_manifests(parts)
+    except FormatError:
+        return None
+    data = merged.to_json_bytes()
+    if set(merged.held_ranks) != set(range(merged.world_size)) or expect not in (None, digest_bytes(data)):
+        return None
+    return merged, data, marker_for(data, merged).to_json_bytes()
 
 
 class _DiskError(Exception):

@@ -5,13 +5,17 @@ only when every byte there was BLAKE3-hashed as it arrived and matched the manif
 source's COMMITTED marker binds (and that the catalog recorded). The order of work:
 
 1. choose the checkpoint (the pure resume rule, safepoint.rules.resume);
-2. order its sources (safepoint.rules.restore.source_order): the local copy, then the replicas;
-3. read each source's marker and manifest; a source whose manifest is not the checkpoint's is bad;
+2. order its sources (safepoint.rules.restore.source_order): the local copy, then the replicas; a
+   multi-node checkpoint's local parts (every node's folder the catalog recorded that this machine
+   can read, each held to its part's digest and supplying only its own files) come first;
+3. read each source's marker and manifest; a source whose manifest is not the checkpoint's is bad
+   (for a multi-node checkpoint: the whole, merged manifest whose digest the last part recorded);
 4. fetch the files (safepoint.ops.fetch, the one verified fetch), several at once (S3: parallel
    ranged GETs with pooled buffers), each into a temporary name, hashed as it arrives, fsynced,
    then renamed; a file that fails is fetched from the next source that holds it, and the source
    is recorded bad in the catalog with the reason;
-5. MANIFEST.json, then COMMITTED, both fsynced: `into` is then a committed Safepoint snapshot.
+5. MANIFEST.json, then COMMITTED, both fsynced: `into` is then a committed Safepoint snapshot,
+   never one that lacks a rank (safepoint.rules.completeness.copy_problem).
 
 Files already in `into` that verify are reused, so a restore cut short (kill -9, a reset) is
 finished by running it again; until step 5, `into` holds no marker. When no copy of the chosen
@@ -31,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from safepoint.catalog.store import Catalog, open_catalog
+from safepoint.catalog.views import CheckpointRow
 from safepoint.core import resumed
 from safepoint.core.config import Config, load_config
 from safepoint.core.errors import FormatError, SafepointError, UsageError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX, Manifest
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX, Manifest, digest_bytes
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.local.atomic import fsync_dir, write_replace
@@ -44,6 +49,7 @@ from safepoint.ops.fetch import seal as seal_snapshot
 from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.steps import settle_copies
+from safepoint.rules.completeness import FileRow, copy_problem
 from safepoint.rules.restore import (
     Outcome,
     Source,
@@ -168,6 +174,19 @@ class _Choice:
     local_path: str | None
     replicas: tuple[tuple[str, str], ...]   # (snapshot url, destination base) of verified replicas
     total_bytes: int
+    world_size: int = 1
+    parts: tuple[tuple[str, str], ...] = ()  # multi-node: (local folder, part manifest BLAKE3), rank order
+    files: tuple[FileRow, ...] = ()          # the catalog's per-file rows (multi-node, no whole digest)
+
+
+def _choice(catalog: Catalog, row: CheckpointRow, replicas: tuple[tuple[str, str], ...]) -> _Choice:
+    if row.world_size <= 1:
+        return _Choice(row.id, row.step, row.manifest_blake3, row.local_path, replicas, row.total_bytes)
+    parts = tuple(dict.fromkeys((r["local_path"], r["manifest_blake3"]) for r in catalog.ranks(row.id)
+                                if r["local_path"] and r["manifest_blake3"]))
+    files = () if row.manifest_blake3 else tuple((f.path, f.size, f.blake3) for f in catalog.files(row.id))
+    return _Choice(row.id, row.step, row.manifest_blake3, None, replicas, row.total_bytes, row.world_size,
+                   parts, files)
 
 
 def choose(catalog: Catalog, run: str, step: int | None, *, min_replicas: int = 1,
@@ -180,7 +199,7 @@ def choose(catalog: Catalog, run: str, step: int | None, *, min_replicas: int = 
         if row.state is not CS.VERIFIED:
             raise NothingToRestore(f"{run}/{step} is {row.state}" + (f": {row.error}" if row.error else ""))
         reps = tuple((r.url, r.destination) for r in catalog.replicas(row.id) if r.state is RS.VERIFIED)
-        return _Choice(row.id, row.step, row.manifest_blake3, row.local_path, reps, row.total_bytes)
+        return _choice(catalog, row, reps)
     decision = find_resume_point(catalog, run, min_replicas=min_replicas, max_step=max_step)
     c = decision.chosen
     if c is None:
@@ -192,8 +211,7 @@ def choose(catalog: Catalog, run: str, step: int | None, *, min_replicas: int = 
             if known else f"no checkpoints recorded for run {run!r}")
     row = catalog.get(run, c.step)
     assert row is not None
-    reps = tuple((r.url, r.destination) for r in c.verified_replicas())
-    return _Choice(c.id, c.step, row.manifest_blake3, c.local_path, reps, c.total_bytes)
+    return _choice(catalog, row, tuple((r.url, r.destination) for r in c.verified_replicas()))
 
 
 def fetch_checkpoint(run: str, choice: _Choice, sources: Sequence[Source], into: Path, *, force: bool,
@@ -215,6 +233,16 @@ def fetch_checkpoint(run: str, choice: _Choice, sources: Sequence[Source], into:
     except TargetDiskError as e:
         raise RestoreError(f"{e}; nothing was committed "
                            "(free space and run the restore again: files that verify are kept)") from e.__cause__
+
+
+def whole_problem(choice: _Choice, fetched: Fetched) -> str | None:
+    """Why a multi-node fetch is not the checkpoint the catalog recorded with every rank, or None."""
+    m = fetched.manifest
+    if choice.world_size <= 1 or m is None or fetched.verdict is not Verdict.WHOLE:
+        return None
+    return copy_problem(choice.world_size, m.held_ranks, digest_bytes(fetched.manifest_bytes),
+                        ((f.path, f.size, f.blake3) for f in m.files), recorded=choice.manifest_blake3,
+                        recorded_files=choice.files)
 
 
 def seal(into: Path, fetched: Fetched) -> None:
@@ -279,10 +307,14 @@ def restore(
         choice = runner.run("choose checkpoint", choose, catalog, run, step, min_replicas=min_replicas,
                           max_step=max_step)
         srcs = source_order(choice.local_path, choice.replicas, run=run, step=choice.step, prefer=prefer,
-                            forced=sources)
+                            forced=sources, parts=choice.parts)
         fetched = runner.run("fetch files", fetch_checkpoint, run, choice, srcs, target, force=force, config=config,
                            files_at_once=files_at_once, on_bytes=on_bytes)
         failed = runner.run("record findings", record_findings, catalog, choice, fetched)
+        problem = whole_problem(choice, fetched)
+        if problem is not None:  # never commit a folder that is not the whole checkpoint
+            fetched.verdict = Verdict.NO_COPY
+            failed.append({"url": ", ".join(fetched.used) or "(no source)", "state": "corrupt", "reason": problem})
         failed_all.extend(failed)
         for f in failed:
             say(f"{f['url']}: {f['state']} ({f['reason']})")

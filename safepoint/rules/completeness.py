@@ -4,6 +4,9 @@ A checkpoint written by many nodes is complete when every expected rank has deli
 Nothing ever waits for the missing ranks: the last part to arrive finds the set complete, and a
 periodic check calls `assess` to give up on a set that stayed partial past its timeout. A late
 part after that re-opens the set (see `safepoint.ops.assemble`).
+
+Once assembled, the checkpoint is one object: `copy_problem` says whether a copy's manifest is the
+whole checkpoint the catalog recorded, so restore, verify and scrub refuse a partial or forged copy.
 """
 
 from __future__ import annotations
@@ -71,3 +74,31 @@ def assess(
     deadline = min(got.values()) + timeout
     status = Completeness.INCOMPLETE if now >= deadline else Completeness.WAITING
     return Assessment(status, exp, missing, deadline)
+
+
+FileRow = tuple[str, int, str]   # path, size, BLAKE3
+
+
+def missing_ranks(held: Iterable[int], world_size: int) -> tuple[int, ...]:
+    have = set(held)
+    return tuple(r for r in range(world_size) if r not in have)
+
+
+def copy_problem(world_size: int, held: Iterable[int], digest: str, files: Iterable[FileRow], *,
+                 recorded: str | None, recorded_files: Iterable[FileRow] | None = None) -> str | None:
+    """Why a copy's manifest is not the checkpoint the catalog recorded; None when it is.
+
+    `recorded`: the BLAKE3 of the whole manifest (for a multi-node checkpoint, the merged one the
+    last part assembled). Without it (a set assembled before the digest was recorded) the copy's
+    files must be the catalog's per-file rows. Either way it must hold every rank: a copy that
+    lacks one is never the checkpoint, whatever its marker binds.
+    """
+    if recorded is not None and digest != recorded:
+        return "its MANIFEST.json is not the one the catalog recorded (a stale or forged copy)"
+    if recorded is None and recorded_files is not None and set(files) != set(recorded_files):
+        return "its manifest lists other files than the catalog recorded (a stale or forged copy)"
+    missing = missing_ranks(held, world_size)
+    if missing:
+        shown = ", ".join(str(r) for r in missing[:16]) + (" ..." if len(missing) > 16 else "")
+        return f"its manifest lacks rank(s) {shown} of {world_size}"
+    return None

@@ -1,7 +1,8 @@
 """The decisions of a restore, as pure functions: no I/O here (safepoint.restore does the I/O).
 
-- `source_order`: where to read from, best first (the local copy, then durable replicas in the
-  configured order of preference; `--from` forces its own list);
+- `source_order`: where to read from, best first (the local copy or, for a multi-node checkpoint,
+  the local parts, then durable replicas in the configured order of preference; `--from` forces
+  its own list);
 - `target_action`: what to do with the folder being restored into (fresh, finish an interrupted
   restore, already there, or refuse something else);
 - `reuse_plan`: which files already in the folder are worth re-hashing, and which to fetch;
@@ -26,6 +27,7 @@ class Source:
     url: str                  # the snapshot: <base>/<run>/<step>, or the local folder
     local: bool = False       # the node's own committed folder (not a replica)
     cataloged: bool = True    # a replica the catalog knows (only those are marked corrupt)
+    part: str | None = None   # one node's part: the BLAKE3 its manifest must have; it holds only its files
 
 
 def _matches(prefix: str, source: Source) -> bool:
@@ -36,16 +38,19 @@ def _matches(prefix: str, source: Source) -> bool:
 
 
 def source_order(local_path: str | None, replicas: Sequence[tuple[str, str]], *, run: str, step: int,
-                 prefer: Sequence[str] = (), forced: Sequence[str] = ()) -> list[Source]:
+                 prefer: Sequence[str] = (), forced: Sequence[str] = (),
+                 parts: Sequence[tuple[str, str]] = ()) -> list[Source]:
     """Sources, best first.
 
-    `replicas` are (snapshot url, destination base) of the catalog's verified replicas. Without
-    `forced`: the local copy (when the catalog names one), then the replicas ordered by the first
-    `prefer` prefix they match (unmatched ones last, in catalog order). With `forced`: exactly the
-    sources matching each forced URL, in that order; a forced URL the catalog does not know is read
-    as a destination base (or a snapshot URL ending in /<run>/<step>).
+    `replicas` are (snapshot url, destination base) of the catalog's verified replicas; `parts` the
+    (local folder, part manifest BLAKE3) of a multi-node checkpoint's parts, in rank order. Without
+    `forced`: the local copy (when the catalog names one) and the local parts, then the replicas
+    ordered by the first `prefer` prefix they match (unmatched ones last, in catalog order). With
+    `forced`: exactly the sources matching each forced URL, in that order; a forced URL the catalog
+    does not know is read as a destination base (or a snapshot URL ending in /<run>/<step>).
     """
     known = ([Source(local_path, local_path, local=True)] if local_path else []) + \
+        [Source(path, path, local=True, part=digest) for path, digest in dict.fromkeys(parts)] + \
         [Source(base.rstrip("/"), url.rstrip("/")) for url, base in replicas]
     if forced:
         out: list[Source] = []
