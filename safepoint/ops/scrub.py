@@ -34,7 +34,7 @@ from safepoint.local.snapshot import resolve_inside
 from safepoint.ops.progress import CountingDestination, hook
 from safepoint.ops.reconcile import repair as repair_checkpoints
 from safepoint.ops.runner import INLINE, StepRunner
-from safepoint.ops.verify import verify_url
+from safepoint.ops.verify import bound_problem, verify_url
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.scrub import next_slice, parse_subset, select
 
@@ -94,12 +94,20 @@ def last_pass(catalog: Catalog) -> dict[str, Any] | None:
     return None
 
 
-def slice_plan(dest: Destination, target: Target, index: int, of: int) -> tuple[list[FileEntry], str | None]:
-    """The files of the slice for one replica, or an error when its control files are unusable."""
+def slice_plan(dest: Destination, target: Target, index: int, of: int, catalog: Catalog | None = None
+               ) -> tuple[list[FileEntry], str | None]:
+    """The files of the slice for one replica, or an error when its control files are unusable or (with
+    `catalog`) bind another manifest than the checkpoint the catalog recorded (stale, forged, a rank short)."""
+    manifest_bytes, marker = (dest.read_control(target.run, target.step, n) for n in (MANIFEST_NAME, MARKER_NAME))
     try:
-        return select(replica_manifest(dest, target.run, target.step), index, of), None
+        manifest = load_committed(manifest_bytes, marker)
     except FormatError as e:
         return [], f"{target.url}: {e}"
+    row = catalog.get_by_id(target.checkpoint_id) if catalog is not None else None
+    problem = bound_problem(catalog, row, manifest_bytes, marker) if catalog is not None and row else None
+    if problem:
+        return [], f"{target.url}: {problem}"
+    return select(manifest, index, of), None
 
 
 def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
@@ -143,7 +151,7 @@ def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str
     for target in targets(catalog, run):
         dest = open_destination(target.destination, config.storage_options(target.destination))
         try:
-            files, error = slice_plan(dest, target, index, of)
+            files, error = slice_plan(dest, target, index, of, catalog)
         finally:
             dest.close()
         if error:

@@ -1,5 +1,9 @@
 """Verify, written once: re-hash a replica or a local snapshot against its manifest, record what was found.
 
+A replica the catalog knows must also be the checkpoint the catalog recorded (`copy_problem`): one
+whose marker binds another manifest (stale, or forged: other bytes, a new MANIFEST.json and
+COMMITTED to match), or that lacks a rank of a multi-node checkpoint, is corrupt without a re-hash.
+
 Lean on purpose: it imports neither torch nor Prefect, so `safepoint verify` starts fast.
 """
 
@@ -11,17 +15,19 @@ from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointRow
 from safepoint.core.config import Config
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MARKER_NAME
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, digest_bytes, load_committed
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.core.verify import VerifyReport
 from safepoint.destinations import open_destination
+from safepoint.destinations.base import Destination
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import CountingDestination, hook
 from safepoint.ops.replicate import verify_replica
 from safepoint.ops.steps import settle_copies
+from safepoint.rules.completeness import copy_problem
 from safepoint.rules.settle import replica_state
 
 
@@ -55,7 +61,9 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
             report = VerifyReport(error=f"{snap_url}: no COMMITTED marker (replica missing or partial)")
             state = RS.MISSING
         else:
-            report = verify_replica(counted, run, step)  # type: ignore[arg-type]
+            problem = found and bound_problem(catalog, found[0], *_control(dest, run, step))
+            report = VerifyReport(error=f"{snap_url}: {problem}") if problem else \
+                verify_replica(counted, run, step)  # type: ignore[arg-type]
             state = replica_state(report.outcome)
     finally:
         dest.close()
@@ -65,6 +73,27 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
                             proof="read-back" if state is RS.VERIFIED else None)
         settle_copies(catalog, row.id)
     return report, snap_url
+
+
+def _control(dest: Destination, run: str, step: int) -> tuple[bytes | None, bytes | None]:
+    return dest.read_control(run, step, MANIFEST_NAME), dest.read_control(run, step, MARKER_NAME)
+
+
+def bound_problem(catalog: Catalog, row: CheckpointRow, manifest_bytes: bytes | None, marker: bytes | None
+                  ) -> str | None:
+    """Why the copy whose marker binds `manifest_bytes` is not `row` as the catalog recorded it, or None.
+
+    None too when the marker binds nothing valid: verifying the copy reports that itself.
+    """
+    try:
+        m = load_committed(manifest_bytes, marker)
+    except FormatError:
+        return None
+    assert manifest_bytes is not None
+    legacy = row.world_size > 1 and not row.manifest_blake3  # assembled before the whole digest was recorded
+    return copy_problem(row.world_size, m.held_ranks, digest_bytes(manifest_bytes),
+                        ((f.path, f.size, f.blake3) for f in m.files), recorded=row.manifest_blake3,
+                        recorded_files=[(f.path, f.size, f.blake3) for f in catalog.files(row.id)] if legacy else None)
 
 
 def _record_local_verify(catalog: Catalog, row: CheckpointRow, report: VerifyReport) -> None:
