@@ -72,23 +72,37 @@ class Nodes:
         assert got.returncode == 0, got.stderr
         return folder
 
-    def ingest(self, node: str, folder: Path) -> str:
-        args = [a for url in self.durable for a in ("--to", url)]
-        got = _cli(self.env(node), "ingest", folder, *args, "--json")
-        assert got.stdout, got.stderr
-        return json.loads(got.stdout)["state"]
-
     def replica(self, i: int, step: int) -> Path:
         return Path(self.durable[i][len("file://"):]) / RUN / str(step)
 
 
-@pytest.fixture
-def nodes(tmp_path, prefect_api, sqlite_catalog_url):
-    n = Nodes(tmp_path, sqlite_catalog_url, prefect_api)
-    parts = {"n0": n.write_part("n0", 1, 0), "n1": n.write_part("n1", 1, 1)}
-    assert [n.ingest(node, parts[node]) for node in ("n0", "n1")] == ["replicating", "verified"]
-    n.originals = {f"rank{r}.pt": hash_path(parts[f"n{r}"] / f"rank{r}.pt")[1] for r in (0, 1)}
-    return n
+STEPS = (1, 2, 3, 4)   # one checkpoint per test (each test changes only its own), 4 the resume point
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory, prefect_api):
+    """Both nodes commit their part of every step; each node's watcher ingests its parts in one pass."""
+    from safepoint.catalog import db
+
+    base = tmp_path_factory.mktemp("nodes")
+    url = f"sqlite:///{base / 'catalog.db'}"
+    n = Nodes(base, url, prefect_api)
+    n.originals = {}
+    for step in STEPS:
+        parts = {f"n{r}": n.write_part(f"n{r}", step, r) for r in (0, 1)}
+        n.originals[step] = {f"rank{r}.pt": hash_path(parts[f"n{r}"] / f"rank{r}.pt")[1] for r in (0, 1)}
+    for node, state in (("n0", "replicating"), ("n1", "verified")):  # n1's parts are the last to arrive
+        got = _cli(n.env(node), "watch", n.root(node), *[a for u in n.durable for a in ("--to", u)], "--once")
+        assert sorted(got.stdout.splitlines()) == [f"{RUN}/{s}: {state}" for s in STEPS], got.stderr
+    cat = open_catalog(url)
+    assert [cat.get(RUN, s).state for s in STEPS] == [CS.VERIFIED] * len(STEPS)
+    yield n
+    db.dispose(url)
+
+
+def _lose_part(nodes: Nodes, node: str, step: int) -> None:
+    """That node's copy of the step is gone (the node died, or its disk was wiped)."""
+    shutil.rmtree(nodes.root(node) / RUN / f"step-{step}")
 
 
 def _forge(replica: Path) -> None:
@@ -111,64 +125,65 @@ def _restored(into: Path) -> dict[str, str]:
     return {f.path: f.blake3 for f in snap.manifest.files}
 
 
-def test_restore_on_node0_without_from_brings_back_every_rank(nodes, sqlite_catalog_url):
-    row = open_catalog(sqlite_catalog_url).get(RUN, 1)
+def test_restore_on_node0_without_from_brings_back_every_rank(nodes):
+    row = open_catalog(nodes.catalog_url).get(RUN, 4)
     assert row.state is CS.VERIFIED and row.world_size == 2
     for i in (0, 1):  # the whole manifest's digest was recorded when the last part arrived
-        assert digest_bytes((nodes.replica(i, 1) / MANIFEST_NAME).read_bytes()) == row.manifest_blake3
+        assert digest_bytes((nodes.replica(i, 4) / MANIFEST_NAME).read_bytes()) == row.manifest_blake3
 
-    into = nodes.base / "n0" / "resume"
-    got = _cli(nodes.env("n0"), "restore", "--run", RUN, "--into", into, "--json")
+    into = nodes.base / "n0" / "resume-4"
+    got = _cli(nodes.env("n0"), "restore", "--run", RUN, "--into", into, "--json")  # the resume point
     assert got.returncode == 0, got.stderr
-    assert _restored(into) == nodes.originals
+    assert json.loads(got.stdout)["step"] == 4
+    assert _restored(into) == nodes.originals[4]
     # local parts first (this machine sees both nodes' folders): no replica was needed
-    assert json.loads(got.stdout)["sources"] == [str(nodes.root(n) / RUN / "step-1") for n in ("n0", "n1")]
+    assert json.loads(got.stdout)["sources"] == [str(nodes.root(n) / RUN / "step-4") for n in ("n0", "n1")]
 
 
-def test_a_forged_replica_is_refused_healed_around_and_found_by_verify_and_scrub(nodes, sqlite_catalog_url):
-    forged = nodes.replica(0, 1)
-    _forge(forged)
+def test_a_forged_replica_is_refused_healed_around_and_found_by_verify(nodes):
+    forged, good = (f"{u}/{RUN}/1" for u in nodes.durable)
+    _forge(nodes.replica(0, 1))
     env = nodes.env("n0")
 
-    into = nodes.base / "n0" / "from-forged"
-    got = _cli(env, "restore", "--run", RUN, "--into", into, "--from", nodes.durable[0])
+    into = nodes.base / "n0" / "from-forged-1"
+    got = _cli(env, "restore", "--run", RUN, "--step", 1, "--into", into, "--from", nodes.durable[0])
     assert got.returncode == 1, got.stderr
     assert not (into / MARKER_NAME).exists()
-    cat = open_catalog(sqlite_catalog_url)
-    rep = next(r for r in cat.replicas(cat.get(RUN, 1).id) if r.url.startswith(nodes.durable[0]))
+    cat = open_catalog(nodes.catalog_url)
+    rep = next(r for r in cat.replicas(cat.get(RUN, 1).id) if r.url == forged)
     assert rep.state is RS.CORRUPT and "not the one the catalog recorded" in rep.error
 
-    # Without --from, node 1's part gone: rank 0 from node 0, rank 1 from the good replica.
-    shutil.rmtree(nodes.base / "n1")
-    into = nodes.base / "n0" / "resume"
-    got = _cli(env, "restore", "--run", RUN, "--into", into, "--json")
+    # Without --from, node 1's part gone: rank 0 from node 0's part, rank 1 from the good replica.
+    _lose_part(nodes, "n1", 1)
+    into = nodes.base / "n0" / "resume-1"
+    got = _cli(env, "restore", "--run", RUN, "--step", 1, "--into", into, "--json")
     assert got.returncode == 0, got.stderr
-    assert _restored(into) == nodes.originals
-    assert json.loads(got.stdout)["sources"][1:] == [nodes.durable[1] + f"/{RUN}/1"]
+    assert _restored(into) == nodes.originals[1]
+    assert json.loads(got.stdout)["sources"] == [str(nodes.root("n0") / RUN / "step-1"), good]
 
     # `verify` of the forged replica: corrupt, exit 1; of the good one: verified.
-    got = _cli(env, "verify", f"{nodes.durable[0]}/{RUN}/1")
+    got = _cli(env, "verify", forged)
     assert got.returncode == 1 and "not the one the catalog recorded" in got.stderr, got.stderr
-    assert _cli(env, "verify", f"{nodes.durable[1]}/{RUN}/1").returncode == 0
+    assert _cli(env, "verify", good).returncode == 0
 
 
-def test_scrub_finds_a_forged_replica(nodes, sqlite_catalog_url):
-    _forge(nodes.replica(1, 1))
-    got = _cli(nodes.env("n0"), "scrub", "--subset", "1/16", "--no-repair", "--json")
+def test_scrub_finds_a_forged_replica(nodes):
+    good, forged = (f"{u}/{RUN}/2" for u in nodes.durable)
+    _forge(nodes.replica(1, 2))
+    got = _cli(nodes.env("n0"), "scrub", "--run", RUN, "--subset", "1/16", "--no-repair", "--json")
     assert got.returncode == 1, got.stderr
     summary = json.loads(got.stdout)
-    assert summary["unrepaired"] == [nodes.durable[1] + f"/{RUN}/1"]
-    cat = open_catalog(sqlite_catalog_url)
-    states = {r.url: r.state for r in cat.replicas(cat.get(RUN, 1).id)}
-    assert states == {nodes.durable[0] + f"/{RUN}/1": RS.VERIFIED, nodes.durable[1] + f"/{RUN}/1": RS.CORRUPT}
+    assert forged in summary["unrepaired"] and good not in summary["unrepaired"]
+    cat = open_catalog(nodes.catalog_url)
+    assert {r.url: r.state for r in cat.replicas(cat.get(RUN, 2).id)} == {good: RS.VERIFIED, forged: RS.CORRUPT}
 
 
 def test_no_good_source_for_a_rank_is_exit_1_and_nothing_committed(nodes):
     for i in (0, 1):
-        _forge(nodes.replica(i, 1))
-    shutil.rmtree(nodes.base / "n1")  # rank 1 now exists only on the forged replicas
-    into = nodes.base / "n0" / "resume"
-    got = _cli(nodes.env("n0"), "restore", "--run", RUN, "--into", into)
+        _forge(nodes.replica(i, 3))
+    _lose_part(nodes, "n1", 3)  # rank 1 of step 3 is now only on the forged replicas
+    into = nodes.base / "n0" / "resume-3"
+    got = _cli(nodes.env("n0"), "restore", "--run", RUN, "--step", 3, "--into", into)
     assert got.returncode == 1, got.stderr
     assert not (into / MARKER_NAME).exists()
     assert not (into / "rank1.pt").exists()
