@@ -8,6 +8,7 @@ server and `safepoint serve` is in tests/test_events_server.py.
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -60,6 +61,29 @@ def test_assess_table(world, delivered, now, timeout, expected, status, missing)
 def test_assess_rejects_bad_input(world, expected):
     with pytest.raises(ValueError):
         assess(world, {}, T0, S, expected=expected)
+
+
+# -- a copy is the whole checkpoint the catalog recorded, or it is bad: a pure decision, by table -----
+
+F = [("rank0.pt", 10, "a" * 64), ("rank1.pt", 10, "b" * 64)]
+D = "d" * 64
+
+
+@pytest.mark.parametrize(("world", "held", "digest", "files", "recorded", "recorded_files", "problem"), [
+    (2, (0, 1), D, F, D, None, None),                                     # the recorded whole manifest
+    (2, (0, 1), "e" * 64, F, D, None, "not the one the catalog recorded"),  # forged: other bytes, rebound
+    (2, (0,), D, F[:1], D, None, "lacks rank(s) 1 of 2"),                 # a part posing as the whole
+    (2, (0, 1), "e" * 64, F, None, F, None),                              # no digest yet: the per-file rows
+    (2, (0, 1), "e" * 64, [F[0], ("rank1.pt", 10, "c" * 64)], None, F, "other files than the catalog"),
+    (2, (0,), "e" * 64, F[:1], None, F[:1], "lacks rank(s) 1 of 2"),      # rows that lack a rank too
+    (1, (0,), "e" * 64, F[:1], None, None, None),                         # single node, nothing recorded
+    (1, (0,), "e" * 64, F[:1], D, None, "not the one the catalog recorded"),
+])
+def test_copy_problem(world, held, digest, files, recorded, recorded_files, problem):
+    from safepoint.rules.completeness import copy_problem
+
+    got = copy_problem(world, held, digest, files, recorded=recorded, recorded_files=recorded_files)
+    assert got is None if problem is None else problem in got
 
 
 # -- merge: pure and deterministic ---------------------------------------------------------------
@@ -333,3 +357,50 @@ def test_assembled_on_an_object_store_is_validated_from_a_download(tmp_path, sql
     assert sqlite_catalog.latest_validation(row.id).ok
     assert (safepoint_home / "tmp").is_dir()  # the download happened there ...
     assert not list((safepoint_home / "tmp").glob("assembled-*"))  # ... and was removed
+
+
+# -- restore: the whole checkpoint, from local parts and replicas ----------------------------------
+
+def test_restore_from_the_local_parts_alone_is_the_recorded_whole(tmp_path, catalog, cfg):
+    """Every replica is gone: the parts, each held to its digest, merge into the recorded manifest."""
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.restore import restore
+
+    durable = (tmp_path / "durable").as_uri()
+    for n, r in NODES.items():
+        ingest(make_part(tmp_path, "rp", 1, n, r), [durable], catalog, cfg)
+    row = catalog.get("rp", 1)
+    assert row.state is CS.VERIFIED and row.manifest_blake3
+    shutil.rmtree(tmp_path / "durable")
+    result = restore("rp", tmp_path / "into", 1, catalog=catalog, config=cfg)
+    snap = LocalSnapshot.open(tmp_path / "into")
+    assert digest_bytes(snap.manifest_bytes) == row.manifest_blake3
+    assert snap.verify().outcome is CS.VERIFIED and len(snap.manifest.files) == 7
+    assert result.sources == [str(tmp_path / n / "rp" / "step-1") for n in NODES]
+
+
+def test_restore_without_a_recorded_whole_digest_holds_copies_to_the_file_rows(tmp_path, catalog, cfg):
+    """A set assembled before the whole digest was recorded: a replica that is not the catalog's files is bad."""
+    import sqlalchemy as sa
+
+    from safepoint.catalog.models import Checkpoint
+    from safepoint.core.format import FileEntry, marker_for, parse_manifest
+    from safepoint.ops.restore import NothingToRestore, restore
+
+    durable = (tmp_path / "durable").as_uri()
+    for n, r in NODES.items():
+        ingest(make_part(tmp_path, "lg", 1, n, r), [durable], catalog, cfg)
+    with catalog._write() as s:
+        s.execute(sa.update(Checkpoint).where(Checkpoint.id == catalog.get("lg", 1).id).values(manifest_blake3=None))
+    rep = tmp_path / "durable" / "lg" / "1"
+    (rep / "rank00.pt").write_bytes(b"forged")
+    m = parse_manifest((rep / "MANIFEST.json").read_bytes())
+    files = [FileEntry(f.path, 6, digest_bytes(b"forged")) if f.path == "rank00.pt" else f for f in m.files]
+    forged = build_manifest(m.run, m.step, files, created=m.created, world_size=m.world_size, ranks=m.ranks,
+                            meta=m.meta)
+    (rep / "MANIFEST.json").write_bytes(forged.to_json_bytes())
+    (rep / MARKER_NAME).write_bytes(marker_for(forged.to_json_bytes(), forged).to_json_bytes())
+    with pytest.raises(NothingToRestore, match="other files than the catalog recorded"):
+        restore("lg", tmp_path / "into", 1, catalog=catalog, config=cfg, sources=[durable])
+    assert not (tmp_path / "into" / MARKER_NAME).exists()
+

@@ -49,6 +49,26 @@ def test_source_order(local, replicas, prefer, forced, expected):
     assert [s.local for s in got] == [u.startswith("/") for u in expected]
 
 
+P0, P1 = ("/n0/r/step-7", "a" * 64), ("/n1/r/step-7", "b" * 64)
+
+
+@pytest.mark.parametrize(("parts", "prefer", "forced", "expected"), [
+    # a multi-node checkpoint: every local part first (in rank order), each held to its part digest
+    ([P0, P1], [], [], [("/n0/r/step-7", "a" * 64), ("/n1/r/step-7", "b" * 64), ("s3://a/ckpt/r/7", None),
+                        ("file:///nfs/ckpt/r/7", None)]),
+    ([P0, P1], ["file:///nfs"], [], [("/n0/r/step-7", "a" * 64), ("/n1/r/step-7", "b" * 64),
+                                     ("file:///nfs/ckpt/r/7", None), ("s3://a/ckpt/r/7", None)]),
+    ([P0, P0], [], [], [("/n0/r/step-7", "a" * 64), ("s3://a/ckpt/r/7", None), ("file:///nfs/ckpt/r/7", None)]),
+    # --from a replica: the parts are not read
+    ([P0, P1], [], ["s3://a"], [("s3://a/ckpt/r/7", None)]),
+    ([P0, P1], [], ["file:///n1/r/step-7"], [("/n1/r/step-7", "b" * 64)]),
+])
+def test_source_order_with_parts(parts, prefer, forced, expected):
+    got = source_order(None, [S3A, NFS], run="r", step=7, prefer=prefer, forced=forced, parts=parts)
+    assert [(s.url, s.part) for s in got] == expected
+    assert [s.local for s in got] == [p is not None for _u, p in expected]
+
+
 @pytest.mark.parametrize(("names", "committed_as", "state", "force", "expected"), [
     ([], None, False, False, TargetAction.FRESH),
     ([], None, False, True, TargetAction.FRESH),
