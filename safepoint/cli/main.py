@@ -104,6 +104,8 @@ def _listing(args) -> list:
 
     url = getattr(args, "catalog", None) or load_config().catalog_url
     db = sqlite_file(url)
+    if db is not None and getattr(args, "catalog", None) and not db.exists():
+        err.print(f"no catalog at {db} yet: nothing has been recorded there (check --catalog)")
     views = read_sqlite(db, args.run) if db is not None else None
     return views if views is not None else _catalog(args).list_checkpoints(args.run)
 
