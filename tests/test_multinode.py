@@ -404,3 +404,23 @@ def test_restore_without_a_recorded_whole_digest_holds_copies_to_the_file_rows(t
         restore("lg", tmp_path / "into", 1, catalog=catalog, config=cfg, sources=[durable])
     assert not (tmp_path / "into" / MARKER_NAME).exists()
 
+
+
+def test_restore_heals_a_rotten_local_part_file_from_a_replica(tmp_path, catalog, cfg):
+    """Per file: rank 1's bytes in node n0's folder rotted; that file comes from the replica, the rest locally."""
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.restore import restore
+
+    durable = (tmp_path / "durable").as_uri()
+    folders = {n: make_part(tmp_path, "hl", 1, n, r) for n, r in NODES.items()}
+    for folder in folders.values():
+        ingest(folder, [durable], catalog, cfg)
+    data = bytearray((folders["n0"] / "rank01.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (folders["n0"] / "rank01.pt").write_bytes(bytes(data))
+    result = restore("hl", tmp_path / "into", 1, catalog=catalog, config=cfg)
+    assert LocalSnapshot.open(tmp_path / "into").verify().outcome is CS.VERIFIED
+    assert result.sources == [str(folders[n]) for n in NODES] + [f"{durable}/hl/1"]
+    assert [(f["url"], f["reason"].split(":")[0]) for f in result.failed] == [(str(folders["n0"]), "rank01.pt")]
+    assert result.bytes_fetched == sum(f.stat().st_size for n in NODES for f in folders[n].glob("rank*.pt")) + \
+        (folders["n0"] / "config.json").stat().st_size
