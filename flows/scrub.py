@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import Config, fanout_settings, load_config
-from safepoint.core.format import MARKER_NAME, FileEntry
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.states import ReplicaState as RS
 from safepoint.core.verify import VerifyReport
@@ -25,6 +25,7 @@ from safepoint.destinations import open_destination
 from safepoint.flows import fanout
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import scrub, steps
+from safepoint.ops.verify import bound_problem
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.settle import replica_state
 from safepoint.tasks.runner import PrefectSteps
@@ -103,11 +104,14 @@ def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]
         manifest = scrub.replica_manifest(dest, run, step)
         snap_url = dest.snapshot_url(run, step)
         dest_url = dest.url
+        found = catalog.find_replica(snap_url)
+        problem = found and bound_problem(catalog, found[0], *(dest.read_control(run, step, n)
+                                                              for n in (MANIFEST_NAME, MARKER_NAME)))
     finally:
         dest.close()
-    jobs = [(base, run, step, b) for b in batches(list(manifest.files), size, count)]
-    report = _merged(verify_batches.with_options(task_runner=runner)(jobs, config))
-    found = catalog.find_replica(snap_url)
+    jobs = [] if problem else [(base, run, step, b) for b in batches(list(manifest.files), size, count)]
+    report = VerifyReport(error=f"{snap_url}: {problem}") if problem else \
+        _merged(verify_batches.with_options(task_runner=runner)(jobs, config))
     if found is not None:
         row, _ = found
         state = replica_state(report.outcome)

@@ -424,3 +424,27 @@ def test_restore_heals_a_rotten_local_part_file_from_a_replica(tmp_path, catalog
     assert [(f["url"], f["reason"].split(":")[0]) for f in result.failed] == [(str(folders["n0"]), "rank01.pt")]
     assert result.bytes_fetched == sum(f.stat().st_size for n in NODES for f in folders[n].glob("rank*.pt")) + \
         (folders["n0"] / "config.json").stat().st_size
+
+
+def test_verify_fanout_finds_a_forged_assembled_replica(tmp_path, prefect_api, sqlite_catalog_url, sqlite_catalog, cfg):
+    """The flow that verifies a large replica in batches holds it to the whole digest as `verify` does."""
+    from safepoint.core.format import FileEntry, marker_for, parse_manifest
+    from safepoint.core.states import ReplicaState as RS
+    from safepoint.flows.scrub import verify_fanout
+
+    durable = (tmp_path / "durable").as_uri()
+    for n, r in NODES.items():
+        ingest(make_part(tmp_path, "vf", 1, n, r), [durable], sqlite_catalog, cfg)
+    assert verify_fanout(f"{durable}/vf/1", catalog_url=sqlite_catalog_url)["outcome"] == "verified"
+    rep = tmp_path / "durable" / "vf" / "1"
+    (rep / "rank00.pt").write_bytes(b"forged")
+    m = parse_manifest((rep / "MANIFEST.json").read_bytes())
+    files = [FileEntry(f.path, 6, digest_bytes(b"forged")) if f.path == "rank00.pt" else f for f in m.files]
+    forged = build_manifest(m.run, m.step, files, created=m.created, world_size=m.world_size, ranks=m.ranks,
+                            meta=m.meta)
+    (rep / "MANIFEST.json").write_bytes(forged.to_json_bytes())
+    (rep / MARKER_NAME).write_bytes(marker_for(forged.to_json_bytes(), forged).to_json_bytes())
+    out = verify_fanout(f"{durable}/vf/1", catalog_url=sqlite_catalog_url)
+    assert out["outcome"] == "corrupt" and "not the one the catalog recorded" in out["summary"]
+    (r,) = sqlite_catalog.replicas(sqlite_catalog.get("vf", 1).id)
+    assert r.state is RS.CORRUPT
