@@ -448,3 +448,20 @@ def test_verify_fanout_finds_a_forged_assembled_replica(tmp_path, prefect_api, s
     assert out["outcome"] == "corrupt" and "not the one the catalog recorded" in out["summary"]
     (r,) = sqlite_catalog.replicas(sqlite_catalog.get("vf", 1).id)
     assert r.state is RS.CORRUPT
+
+
+def test_verify_binds_a_set_assembled_before_its_whole_digest_was_recorded(tmp_path, catalog, cfg):
+    import sqlalchemy as sa
+
+    from safepoint.catalog.models import Checkpoint
+    from safepoint.ops.verify import verify_url
+
+    durable = (tmp_path / "durable").as_uri()
+    for n, r in NODES.items():
+        ingest(make_part(tmp_path, "bd", 1, n, r), [durable], catalog, cfg)
+    row = catalog.get("bd", 1)
+    with catalog._write() as s:
+        s.execute(sa.update(Checkpoint).where(Checkpoint.id == row.id).values(manifest_blake3=None))
+    report, _ = verify_url(catalog, f"{durable}/bd/1", cfg)
+    assert report.outcome is CS.VERIFIED
+    assert catalog.get("bd", 1).manifest_blake3 == row.manifest_blake3

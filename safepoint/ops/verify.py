@@ -55,13 +55,15 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
     base, run, step = parse_snapshot_url(url)
     dest = open_destination(base, config.storage_options(base))
     counted = CountingDestination(dest, hook()) if hook() else dest  # feeds the CLI's progress bar
+    control: tuple[bytes | None, bytes | None] = (None, None)
     try:
         snap_url = dest.snapshot_url(run, step)
         if dest.read_control(run, step, MARKER_NAME) is None:
             report = VerifyReport(error=f"{snap_url}: no COMMITTED marker (replica missing or partial)")
             state = RS.MISSING
         else:
-            problem = found and bound_problem(catalog, found[0], *_control(dest, run, step))
+            control = _control(dest, run, step)
+            problem = found and bound_problem(catalog, found[0], *control)
             report = VerifyReport(error=f"{snap_url}: {problem}") if problem else \
                 verify_replica(counted, run, step)  # type: ignore[arg-type]
             state = replica_state(report.outcome)
@@ -69,6 +71,10 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
         dest.close()
     if found:
         row, _rep = found
+        if state is RS.VERIFIED and row.world_size > 1 and not row.manifest_blake3 and control[0]:
+            # A set assembled before its whole digest was recorded: this copy, whole and the catalog's
+            # files, binds it from now on.
+            catalog.record_whole_manifest(row.id, digest_bytes(control[0]))
         catalog.set_replica(row.id, snap_url, dest.url, state, error=None if state is RS.VERIFIED else report.summary(),
                             proof="read-back" if state is RS.VERIFIED else None)
         settle_copies(catalog, row.id)
