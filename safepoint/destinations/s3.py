@@ -48,11 +48,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from safepoint.core.credentials import unseal
 from safepoint.core.errors import DestinationError, FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, MAX_MANIFEST_BYTES, FileEntry, check_run
 from safepoint.core.hashing import new_hasher
 from safepoint.core.naming import snapshot_key
-from safepoint.core.credentials import unseal
 from safepoint.core.redact import redact, split_userinfo
 from safepoint.destinations import retry
 from safepoint.destinations.base import (

@@ -1,0 +1,151 @@
+"""Safepoint as a Prefect user sees it, on a real `prefect server start` (SQLite under a temporary PREFECT_HOME).
+
+Done-when of issue 24 (part 2):
+- after real ingests with credentials in `--to s3://KEY:SECRET@bucket/p` and `--catalog
+  postgresql://u:PASSWORD@host/db`, no secret is in Prefect's database files (WAL included) or its
+  log, while the flow runs' parameters are there (by reference);
+- an `S3Bucket` block (prefect-aws) is a destination, `--to block:NAME/sub`, against SeaweedFS with
+  no AWS variable in the environment;
+- the proactive automation (committed, no verified within N s) fires within a short window.
+
+One server for the module, stopped at the end; SeaweedFS is the session's (tests/conftest_s3.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from safepoint import commit
+from tests.helpers_ckpt import make_safetensors_ckpt
+from tests.prefect_server import PrefectServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.s3]
+
+AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = PrefectServer(tmp_path_factory.mktemp("prefect-home"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client_env(server, monkeypatch, tmp_path):
+    """This process as a client of the module's server (for the Prefect client calls of the test)."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SAFEPOINT_HOME", str(tmp_path / "home"))
+    return server
+
+
+def cli(server: PrefectServer, home: Path, *args: str, drop_aws: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, **server.env(), "SAFEPOINT_HOME": str(home), "PREFECT_LOGGING_TO_API_ENABLED": "true"}
+    for k in drop_aws:
+        env.pop(k, None)
+    env.pop("SAFEPOINT_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "safepoint.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def snapshot(base: Path, run: str, step: int) -> Path:
+    folder = base / run / f"s{step}"
+    make_safetensors_ckpt(folder, seed=step)
+    commit(folder, run, step)
+    return folder
+
+
+def flow_run_parameters(server: PrefectServer) -> list[dict]:
+    from prefect.client.orchestration import get_client
+
+    async def read() -> list[dict]:
+        async with get_client() as c:
+            return [r.parameters for r in await c.read_flow_runs()]
+
+    return asyncio.run(read())
+
+
+def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalog_url, tmp_path):
+    server = client_env
+    key, secret, pg_password = (f"AKIA{uuid.uuid4().hex[:16].upper()}", f"sEcReT{uuid.uuid4().hex}",
+                                f"pgPw{uuid.uuid4().hex}")
+    dest = f"s3://{key}:{secret}@{s3_env.bucket}/{s3_env.prefix}/ckpt"
+    assert "postgres@" in postgres_catalog_url  # trust auth: the password is carried, never checked
+    catalog = postgres_catalog_url.replace("postgres@", f"postgres:{pg_password}@", 1)
+    home = tmp_path / "home"
+    for step in (1, 2):
+        # No AWS keys in the environment: the URL's own keys must be what reaches the store.
+        r = cli(server, home, "--catalog", catalog, "ingest", str(snapshot(tmp_path / "nvme", "sec", step)),
+                "--to", dest, "--json", drop_aws=("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads(r.stdout)
+        assert result["state"] == "verified"
+        assert [x["url"] for x in result["replicas"]] == [f"s3://{s3_env.bucket}/{s3_env.prefix}/ckpt/sec/{step}"]
+        for text in (r.stdout, r.stderr):
+            assert secret not in text and pg_password not in text
+
+    # The runs are in Prefect's database, named by reference: the grep below looks where parameters live.
+    params = [p for p in flow_run_parameters(server) if "snapshot" in p]
+    assert len(params) == 2
+    for p in params:
+        assert p["to"][0].startswith("s3://safepoint-ref-") and p["catalog_url"].startswith(
+            "postgresql+psycopg://safepoint-ref-")
+    refs = home / "credentials"
+    assert stat.S_IMODE(refs.stat().st_mode) == 0o700
+    sealed = [f for f in refs.iterdir() if not f.name.startswith(".")]
+    assert sorted(f.read_text() for f in sealed) == sorted([dest, catalog])
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in refs.iterdir())
+
+    time.sleep(3)  # events and logs reach the database a moment after the runs end
+    files = [f for f in server.home.rglob("*") if f.is_file()]
+    db = [f for f in files if f.name.startswith("prefect.db")]
+    assert any(f.name.endswith("-wal") for f in db) or db
+    seen_ref = False
+    for f in files:
+        data = f.read_bytes()
+        seen_ref = seen_ref or b"safepoint-ref-" in data
+        for s in (secret, pg_password, key):
+            assert s.encode() not in data, f"{s[:6]}... found in {f}"
+    assert seen_ref  # the parameters were written to these files
+
+
+def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
+    """`--to block:NAME/sub`: bucket, folder, keys and endpoint from prefect-aws blocks; no AWS variable set."""
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.credentials import AwsClientParameters
+
+    server = client_env
+    name = f"ckpt-{uuid.uuid4().hex[:8]}"
+    creds = AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                           aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
+                           aws_client_parameters=AwsClientParameters(endpoint_url=s3_env.server.endpoint))
+    S3Bucket(bucket_name=s3_env.bucket, bucket_folder=s3_env.prefix, credentials=creds).save(name)
+    cat = f"sqlite:///{tmp_path / 'catalog.db'}"
+    folder = snapshot(tmp_path / "nvme", "blk", 3)
+    r = cli(server, tmp_path / "home", "--catalog", cat, "ingest", str(folder), "--to", f"block:{name}/ckpt",
+            "--json", drop_aws=AWS_VARS)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout)
+    assert result["state"] == "verified"
+    assert [x["url"] for x in result["replicas"]] == [f"s3://{s3_env.bucket}/{s3_env.prefix}/ckpt/blk/3"]
+    keys = [o["Key"] for o in s3_env.server.client().list_objects_v2(
+        Bucket=s3_env.bucket, Prefix=f"{s3_env.prefix}/ckpt/")["Contents"]]
+    assert any(k.endswith("model.safetensors") for k in keys)
+
+    r = cli(server, tmp_path / "home", "--catalog", cat, "ingest", str(folder), "--to", "block:no-such-block/x",
+            drop_aws=AWS_VARS)
+    assert r.returncode == 2 and "no-such-block" in r.stderr
