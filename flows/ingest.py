@@ -14,8 +14,10 @@ from prefect.artifacts import create_markdown_artifact
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
 from safepoint.core.credentials import unseal
+from safepoint.core.errors import FormatError
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
+from safepoint.flows.automations import emit_outcome
 from safepoint.flows.credentials import resolve_destinations
 from safepoint.ops.ingest import IngestOutcome, run_ingest
 from safepoint.tasks.artifacts import publish_validation_report
@@ -70,9 +72,17 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
     config = load_config()
     to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
     catalog = open_catalog(unseal(catalog_url) or config.catalog_url)
-    done = run_ingest(snapshot, to, catalog, config, model=model, event_id=event_id,
-                      skip_if_verified=skip_if_verified, runner=PrefectSteps())
+    try:
+        done = run_ingest(snapshot, to, catalog, config, model=model, event_id=event_id,
+                          skip_if_verified=skip_if_verified, runner=PrefectSteps())
+    except FormatError as e:  # quarantined as corrupt: the verdict event, then the run fails as before
+        row = catalog.find_by_local_path(snapshot)
+        if row is not None:
+            emit_outcome(row.run, row.step, None, str(row.state), str(e))
+        raise
     out, detail = done.outcome, done.detail
+    if not detail.get("skipped"):
+        emit_outcome(out.run, out.step, detail.get("node"), str(out.state), out.message)
     if done.checkpoint_id is not None and not detail.get("skipped"):
         row = catalog.get_by_id(done.checkpoint_id)
         if out.state in (CS.VERIFIED, CS.INVALID):

@@ -6,7 +6,8 @@ Done-when of issue 24 (part 2):
   log, while the flow runs' parameters are there (by reference);
 - an `S3Bucket` block (prefect-aws) is a destination, `--to block:NAME/sub`, against SeaweedFS with
   no AWS variable in the environment;
-- the proactive automation (committed, no verified within N s) fires within a short window.
+- the proactive automation (committed, no verified within N s) fires within a short window (10 s,
+  Prefect's floor), for the unverified checkpoint only.
 
 One server for the module, stopped at the end; SeaweedFS is the session's (tests/conftest_s3.py).
 """
@@ -121,6 +122,8 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
         for s in (secret, pg_password, key):
             assert s.encode() not in data, f"{s[:6]}... found in {f}"
     assert seen_ref  # the parameters were written to these files
+    verdicts = {e["resource"]["prefect.resource.id"] for e in events(server, "safepoint.checkpoint.verified")}
+    assert {"safepoint.checkpoint.sec.1", "safepoint.checkpoint.sec.2"} <= verdicts
 
 
 def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
@@ -149,3 +152,55 @@ def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
     r = cli(server, tmp_path / "home", "--catalog", cat, "ingest", str(folder), "--to", "block:no-such-block/x",
             drop_aws=AWS_VARS)
     assert r.returncode == 2 and "no-such-block" in r.stderr
+
+
+def events(server: PrefectServer, prefix: str, resource_id: str | None = None) -> list[dict]:
+    """Events whose name starts with `prefix` (of one resource), from the server's API (oldest first)."""
+    import httpx
+
+    flt: dict = {"event": {"prefix": [prefix]}}
+    if resource_id:
+        flt["resource"] = {"id": [resource_id]}
+    r = httpx.post(f"{server.url}/events/filter", json={"filter": flt, "limit": 50}, timeout=10)
+    r.raise_for_status()
+    return sorted(r.json()["events"], key=lambda e: e["occurred"])
+
+
+def emit(*evs: tuple[str, str]) -> None:
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
+
+    from safepoint.events.markers import resource
+
+    async def send() -> None:
+        async with get_events_client() as c:
+            for name, res in evs:
+                run, _, step = res.removeprefix("safepoint.checkpoint.").rpartition(".")
+                await c.emit(Event(event=name, resource=resource(run, int(step), "n1")))
+
+    asyncio.run(send())
+
+
+def test_proactive_automation_fires_for_an_unverified_commit(client_env, tmp_path):
+    server = client_env
+    r = cli(server, tmp_path / "home", "automations", "apply", "--within", "10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "created automation safepoint-checkpoint-not-verified" in r.stdout
+    again = cli(server, tmp_path / "home", "automations", "apply", "--within", "10")  # by name: no duplicates
+    assert again.returncode == 0 and "updated automation safepoint-checkpoint-not-verified" in again.stdout
+    ident = again.stdout.split("safepoint-checkpoint-not-verified (", 1)[1].split(")", 1)[0]
+
+    run = f"auto-{uuid.uuid4().hex[:8]}"
+    stuck, fine = f"safepoint.checkpoint.{run}.1", f"safepoint.checkpoint.{run}.2"
+    emit(("safepoint.checkpoint.committed", stuck), ("safepoint.checkpoint.committed", fine),
+         ("safepoint.checkpoint.verified", fine))
+    deadline, fired = time.monotonic() + 90, []
+    while time.monotonic() < deadline and not fired:
+        time.sleep(2)
+        fired = events(server, "prefect.automation.triggered", f"prefect.automation.{ident}")
+    assert fired, "the proactive automation did not fire"
+    time.sleep(11)  # the verified checkpoint's window has closed too: it must not have fired
+    labels = [e["payload"]["triggering_labels"]["prefect.resource.id"]
+              for e in events(server, "prefect.automation.triggered", f"prefect.automation.{ident}")
+              if run in e["payload"]["triggering_labels"]["prefect.resource.id"]]
+    assert labels == [stuck]
