@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -80,6 +81,13 @@ def flow_run_parameters(server: PrefectServer) -> list[dict]:
     return asyncio.run(read())
 
 
+def global_limit(name: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        return c.read_global_concurrency_limit_by_name(name)
+
+
 def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalog_url, tmp_path):
     server = client_env
     key, secret, pg_password = (f"AKIA{uuid.uuid4().hex[:16].upper()}", f"sEcReT{uuid.uuid4().hex}",
@@ -88,6 +96,8 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
     assert "postgres@" in postgres_catalog_url  # trust auth: the password is carried, never checked
     catalog = postgres_catalog_url.replace("postgres@", f"postgres:{pg_password}@", 1)
     home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text("[limits]\nuploads_per_host = 3\n")
     for step in (1, 2):
         # No AWS keys in the environment: the URL's own keys must be what reaches the store.
         r = cli(server, home, "--catalog", catalog, "ingest", str(snapshot(tmp_path / "nvme", "sec", step)),
@@ -124,6 +134,9 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
     assert seen_ref  # the parameters were written to these files
     verdicts = {e["resource"]["prefect.resource.id"] for e in events(server, "safepoint.checkpoint.verified")}
     assert {"safepoint.checkpoint.sec.1", "safepoint.checkpoint.sec.2"} <= verdicts
+    # The uploads per host were a Prefect global concurrency limit ([limits] uploads_per_host), all released.
+    limit = global_limit(f"safepoint-uploads-{socket.gethostname()}")
+    assert (limit.limit, limit.active_slots) == (3, 0)
 
 
 def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
