@@ -24,6 +24,7 @@ from prefect.events import emit_event
 from prefect.events.actions import DoNothing, SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
 
+from safepoint.core.errors import UsageError
 from safepoint.core.redact import redact
 from safepoint.events.markers import EVENT, OUTCOME_EVENTS, resource, trigger_match
 
@@ -40,6 +41,16 @@ def emit_outcome(run: str, step: int, node: str | None, state: str, message: str
         return
     emit_event(event=name, resource=resource(run, step, node or ""),
                payload={"run": run, "step": step, "state": str(state), "message": redact(message)})
+
+
+def notification_block(ref: str) -> Any:
+    """The notification block `TYPE/NAME` (e.g. slack-webhook/oncall); UsageError when there is none."""
+    from prefect.blocks.core import Block
+
+    try:
+        return Block.load(ref)
+    except ValueError as e:
+        raise UsageError(f"--notify {ref}: {e}") from None
 
 
 def definitions(within_s: float = 1800.0, notify: Any = None) -> list[Automation]:

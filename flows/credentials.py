@@ -1,7 +1,7 @@
 """Destinations as a flow run sees them: references and blocks resolved into URLs plus storage options.
 
 What reaches Prefect (parameters, payloads, deployment defaults) names a destination without its
-secret: a sealed URL (`s3://safepoint-ref-<id>@bucket/p`, safepoint.core.credentials) or a
+secret: a sealed URL (`s3://safepoint-ref-<id>@bucket/p`, safepoint.local.credentials) or a
 Prefect block, `block:NAME[/sub/prefix]`, an `S3Bucket` block of prefect-aws (bucket, folder and
 its `AwsCredentials`: keys, profile, region, endpoint). The process that runs the flow resolves
 them here, in memory: the destination becomes a plain `s3://bucket/prefix` URL (what the catalog
@@ -14,9 +14,9 @@ import dataclasses
 from typing import Any
 
 from safepoint.core.config import Config
-from safepoint.core.credentials import unseal
 from safepoint.core.errors import UsageError
 from safepoint.core.redact import split_userinfo
+from safepoint.local.credentials import unseal
 
 __all__ = ["BLOCK_SCHEME", "resolve_destinations", "block_destination"]
 

@@ -13,12 +13,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
-from safepoint.core.credentials import unseal
 from safepoint.core.errors import FormatError
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.flows.automations import emit_outcome
 from safepoint.flows.credentials import resolve_destinations
+from safepoint.local.credentials import unseal
 from safepoint.ops.ingest import IngestOutcome, run_ingest
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
@@ -68,7 +68,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
     `skip_if_verified` turns a duplicate trigger for an already verified commit into a no-op.
     `to` and `catalog_url` carry no secrets: sealed URLs or `block:NAME/prefix` (flows/credentials.py).
     """
-    # Parameters name credentials by reference only (safepoint.core.credentials); resolved here, in memory.
+    # Parameters name credentials by reference only (safepoint.local.credentials); resolved here, in memory.
     config = load_config()
     to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
     catalog = open_catalog(unseal(catalog_url) or config.catalog_url)

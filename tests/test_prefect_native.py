@@ -109,12 +109,25 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
         for text in (r.stdout, r.stderr):
             assert secret not in text and pg_password not in text
 
+    # `watch --emit`: the event's payload names the destination by reference too.
+    root = tmp_path / "watched"
+    snapshot(root, "sec", 3)
+    r = cli(server, home, "--catalog", catalog, "watch", str(root), "--emit", "--once", "--to", dest,
+            "--spool", str(tmp_path / "spool"), drop_aws=("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+    assert secret not in r.stdout + r.stderr
+    deadline, committed = time.monotonic() + 30, []
+    while time.monotonic() < deadline and not committed:
+        committed = events(server, "safepoint.checkpoint.committed", "safepoint.checkpoint.sec.3")
+        time.sleep(0.5)
+    assert committed, r.stdout + r.stderr
+
     # The runs are in Prefect's database, named by reference: the grep below looks where parameters live.
     params = [p for p in flow_run_parameters(server) if "snapshot" in p]
     assert len(params) == 2
     for p in params:
         assert p["to"][0].startswith("s3://safepoint-ref-") and p["catalog_url"].startswith(
             "postgresql+psycopg://safepoint-ref-")
+    assert committed[0]["payload"]["to"] == params[0]["to"]  # the same reference: sealing is deterministic
     refs = home / "credentials"
     assert stat.S_IMODE(refs.stat().st_mode) == 0o700
     sealed = [f for f in refs.iterdir() if not f.name.startswith(".")]

@@ -14,14 +14,7 @@ def cmd_automations(args) -> int:
     api_url()  # automations are evaluated by a server: a temporary one would forget them
     if args.within < 10:  # Prefect's floor for proactive triggers
         raise UsageError(f"--within must be at least 10 seconds, got {args.within:g}")
-    notify = None
-    if args.notify:
-        from prefect.blocks.core import Block
-
-        try:
-            notify = Block.load(args.notify)
-        except ValueError as e:
-            raise UsageError(f"--notify {args.notify}: {e}") from None
+    notify = automations.notification_block(args.notify) if args.notify else None
     for name, ident, verb in automations.apply(automations.definitions(args.within, notify)):
         out.print(f"{verb} automation {name} ({ident})")
     return EXIT_OK

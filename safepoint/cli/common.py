@@ -73,8 +73,8 @@ def check_destinations_here(to: list[str]) -> list[str]:
 
 def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
     """The ingest flow, its parameters free of secrets: credential-bearing URLs go sealed (core.credentials)."""
-    from safepoint.core.credentials import seal
     from safepoint.flows.ingest import ingest
+    from safepoint.local.credentials import seal
 
     return ingest(snapshot=str(Path(folder).resolve()), to=[seal(u) or u for u in to], model=model,
                   catalog_url=seal(catalog_url))

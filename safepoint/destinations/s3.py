@@ -48,7 +48,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from safepoint.core.credentials import unseal
 from safepoint.core.errors import DestinationError, FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, MAX_MANIFEST_BYTES, FileEntry, check_run
 from safepoint.core.hashing import new_hasher
@@ -66,6 +65,7 @@ from safepoint.destinations.base import (
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.fsspec_dest import info_mtime
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
+from safepoint.local.credentials import unseal
 from safepoint.local.durable_write import FileWriter
 
 log = logging.getLogger(__name__)

@@ -25,6 +25,7 @@ from pathlib import Path
 from safepoint.core.config import home
 from safepoint.core.errors import UsageError
 from safepoint.core.redact import redact_url, split_userinfo
+from safepoint.local.atomic import write_exclusive, write_replace
 
 __all__ = ["REF_PREFIX", "seal", "unseal", "is_sealed"]
 
@@ -39,35 +40,11 @@ def _folder() -> Path:
     return d
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` readable by this user only (created 0600, replaced atomically)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 def _key(folder: Path) -> bytes:
     path = folder / ".key"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    key = secrets.token_bytes(32)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it first: use theirs
-        return path.read_bytes()
-    try:
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return key
+    if not path.is_file():
+        write_exclusive(path, secrets.token_bytes(32), mode=0o600)  # of two racing makers, one wins
+    return path.read_bytes()
 
 
 def seal(url: str | None) -> str | None:
@@ -81,7 +58,7 @@ def seal(url: str | None) -> str | None:
     ref = hmac.new(_key(folder), url.encode(), hashlib.sha256).hexdigest()[:32]
     path = folder / ref
     if not path.is_file() or path.read_text() != url:
-        _write_private(path, url.encode())
+        write_replace(path, url.encode(), mode=0o600)
     scheme, _, rest = clean.partition("://")
     return f"{scheme}://{REF_PREFIX}{ref}@{rest}"
 
