@@ -7,7 +7,7 @@ Done-when of issue 24 (part 2):
 - an `S3Bucket` block (prefect-aws) is a destination, `--to block:NAME/sub`, against SeaweedFS with
   no AWS variable in the environment;
 - the proactive automation (committed, no verified within N s) fires within a short window (10 s,
-  Prefect's floor), for the unverified checkpoint only.
+  Prefect's floor), for the unverified checkpoint only; the reactive one for an invalid one.
 
 One server for the module, stopped at the end; SeaweedFS is the session's (tests/conftest_s3.py).
 """
@@ -217,7 +217,7 @@ def emit(*evs: tuple[str, str]) -> None:
     asyncio.run(send())
 
 
-def test_proactive_automation_fires_for_an_unverified_commit(client_env, tmp_path):
+def test_shipped_automations_fire(client_env, tmp_path):
     server = client_env
     r = cli(server, tmp_path / "home", "automations", "apply", "--within", "10")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -225,11 +225,12 @@ def test_proactive_automation_fires_for_an_unverified_commit(client_env, tmp_pat
     again = cli(server, tmp_path / "home", "automations", "apply", "--within", "10")  # by name: no duplicates
     assert again.returncode == 0 and "updated automation safepoint-checkpoint-not-verified" in again.stdout
     ident = again.stdout.split("safepoint-checkpoint-not-verified (", 1)[1].split(")", 1)[0]
+    rejected = again.stdout.split("safepoint-checkpoint-rejected (", 1)[1].split(")", 1)[0]
 
     run = f"auto-{uuid.uuid4().hex[:8]}"
-    stuck, fine = f"safepoint.checkpoint.{run}.1", f"safepoint.checkpoint.{run}.2"
+    stuck, fine, bad = (f"safepoint.checkpoint.{run}.{n}" for n in (1, 2, 3))
     emit(("safepoint.checkpoint.committed", stuck), ("safepoint.checkpoint.committed", fine),
-         ("safepoint.checkpoint.verified", fine))
+         ("safepoint.checkpoint.verified", fine), ("safepoint.checkpoint.invalid", bad))
     deadline, fired = time.monotonic() + 90, []
     while time.monotonic() < deadline and not fired:
         time.sleep(2)
@@ -240,3 +241,6 @@ def test_proactive_automation_fires_for_an_unverified_commit(client_env, tmp_pat
               for e in events(server, "prefect.automation.triggered", f"prefect.automation.{ident}")
               if run in e["payload"]["triggering_labels"]["prefect.resource.id"]]
     assert labels == [stuck]
+    # The reactive one: the invalid checkpoint, and only it.
+    assert [e["payload"]["triggering_labels"]["prefect.resource.id"]
+            for e in events(server, "prefect.automation.triggered", f"prefect.automation.{rejected}")] == [bad]
