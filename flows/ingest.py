@@ -13,8 +13,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
+from safepoint.core.errors import FormatError
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
+from safepoint.flows.automations import emit_outcome
+from safepoint.flows.credentials import resolve_destinations
+from safepoint.local.credentials import unseal
 from safepoint.ops.ingest import IngestOutcome, run_ingest
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
@@ -62,12 +66,23 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
 
     `event_id` ties an event-triggered run to the marker that caused it (safepoint.events);
     `skip_if_verified` turns a duplicate trigger for an already verified commit into a no-op.
+    `to` and `catalog_url` carry no secrets: sealed URLs or `block:NAME/prefix` (flows/credentials.py).
     """
+    # Parameters name credentials by reference only (safepoint.local.credentials); resolved here, in memory.
     config = load_config()
-    catalog = open_catalog(catalog_url or config.catalog_url)
-    done = run_ingest(snapshot, list(to), catalog, config, model=model, event_id=event_id,
-                      skip_if_verified=skip_if_verified, runner=PrefectSteps())
+    to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
+    catalog = open_catalog(unseal(catalog_url) or config.catalog_url)
+    try:
+        done = run_ingest(snapshot, to, catalog, config, model=model, event_id=event_id,
+                          skip_if_verified=skip_if_verified, runner=PrefectSteps())
+    except FormatError as e:  # quarantined as corrupt: the verdict event, then the run fails as before
+        row = catalog.find_by_local_path(snapshot)
+        if row is not None:
+            emit_outcome(row.run, row.step, None, str(row.state), str(e))
+        raise
     out, detail = done.outcome, done.detail
+    if not detail.get("skipped"):
+        emit_outcome(out.run, out.step, detail.get("node"), str(out.state), out.message)
     if done.checkpoint_id is not None and not detail.get("skipped"):
         row = catalog.get_by_id(done.checkpoint_id)
         if out.state in (CS.VERIFIED, CS.INVALID):

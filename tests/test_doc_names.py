@@ -16,6 +16,10 @@ NAME = re.compile(r"(?<![\w./-])safepoint(?:\.[A-Za-z_]\w*)+")
 #: dotted names that are not Python objects, and what they are
 NOT_PYTHON = {
     "safepoint.checkpoint.committed": "the Prefect event a commit emits",
+    "safepoint.checkpoint.verified": "the Prefect event of a verified checkpoint (flows/automations.py)",
+    "safepoint.checkpoint.corrupt": "the Prefect event of a corrupt checkpoint",
+    "safepoint.checkpoint.invalid": "the Prefect event of an invalid checkpoint",
+    "safepoint.checkpoint.RUN.STEP": "a checkpoint's Prefect resource id",
     "safepoint.manifest": "MANIFEST.json's format identifier",
     "safepoint.marker": "COMMITTED's format identifier",
     "safepoint.snapshot": "a rank-done/snapshot format identifier (docs/format.md)",

@@ -17,7 +17,8 @@ from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 if TYPE_CHECKING:
     from datetime import datetime
 
-__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_hint", "run_ingest_flow", "watch_here"]
+__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_hint", "run_ingest_flow", "watch_here",
+           "check_destinations_here"]
 
 out = LazyConsole()  # rich's Console, imported only when a command's output needs it
 err = LazyConsole(stderr=True)
@@ -58,10 +59,25 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
-    from safepoint.flows.ingest import ingest
+def check_destinations_here(to: list[str]) -> list[str]:
+    """Check `to` (or [ingest] to) before anything runs; the plain URLs (blocks and userinfo resolved, in memory)."""
+    from safepoint.core.config import load_config
+    from safepoint.destinations.check import check_destinations
+    from safepoint.flows.credentials import resolve_destinations
 
-    return ingest(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
+    config = load_config()
+    urls, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
+    check_destinations(urls, config.storage_options)
+    return urls
+
+
+def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
+    """The ingest flow, its parameters free of secrets: credential-bearing URLs go sealed (core.credentials)."""
+    from safepoint.flows.ingest import ingest
+    from safepoint.local.credentials import seal
+
+    return ingest(snapshot=str(Path(folder).resolve()), to=[seal(u) or u for u in to], model=model,
+                  catalog_url=seal(catalog_url))
 
 
 def _ingest_exit(state: str) -> int:
@@ -77,13 +93,11 @@ def watch_here(args) -> int:
     with one `safepoint: error:` line and not retried until its marker changes; the others go on.
     """
     from safepoint.cli.guard import one_line
-    from safepoint.core.config import load_config
     from safepoint.core.errors import FormatError
-    from safepoint.destinations.check import check_destinations
     from safepoint.events.watch import marker_identity, pending_snapshots
     from safepoint.local.snapshot import LocalSnapshot
 
-    check_destinations(args.to, load_config().storage_options)
+    check_destinations_here(args.to)
     cat = _catalog(args)
     worst = EXIT_OK
     set_aside: dict[Path, tuple[int, int] | None] = {}

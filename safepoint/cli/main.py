@@ -16,6 +16,7 @@ from safepoint.cli.common import (
     EXIT_OK,
     _catalog,
     _ingest_exit,
+    check_destinations_here,
     err,
     out,
     parse_time,
@@ -54,13 +55,6 @@ def cmd_commit(args) -> int:
     return EXIT_OK
 
 
-def _check_destinations(to: list[str]) -> None:
-    from safepoint.core.config import load_config
-    from safepoint.destinations.check import check_destinations
-
-    check_destinations(to or load_config().section("ingest").get("to", []), load_config().storage_options)
-
-
 def cmd_ingest(args) -> int:
     from safepoint.core.format import MARKER_NAME
     from safepoint.local.snapshot import LocalSnapshot
@@ -73,14 +67,14 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
-    _check_destinations(args.to)  # an unusable destination is one error line, before any state changes
+    urls = check_destinations_here(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
     from safepoint.ops import progress
 
     t0 = time.perf_counter()
     # On a terminal, one transfer bar per destination (bytes uploaded and read back verified).
     m = snap.manifest
-    with progress.bars([(url, f"{m.run}/{m.step} -> {url}", m.total_bytes) for url in dict.fromkeys(args.to)],
+    with progress.bars([(url, f"{m.run}/{m.step} -> {url}", m.total_bytes) for url in dict.fromkeys(urls)],
                        err, enabled=err.is_terminal and not args.json):
         result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
     dt = time.perf_counter() - t0

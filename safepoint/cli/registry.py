@@ -135,6 +135,11 @@ COMMANDS: dict[str, Command] = {
         "the local Prefect server used when PREFECT_API_URL is unset", ("safepoint.cli.server_cmds",),
         ("0  done (status: running)", "1  status: none running", ERROR),
         "start: start it ahead of time; status: print its address; stop: end it."),
+    "automations": Command(
+        "create or update the Prefect automations Safepoint ships", ("safepoint.cli.automation_cmds",),
+        (OK, ERROR),
+        "apply: a committed checkpoint not verified within --within seconds, and a checkpoint judged corrupt "
+        "or invalid, each fire an automation (with --notify, a notification through that block)."),
     "restore": Command(
         "restore the resume point (or --step) into DIR, every byte verified", ("safepoint.cli.restore_cmds",),
         ("0  restored", "1  no whole copy of anything in scope (with --step: of that step)", ERROR),

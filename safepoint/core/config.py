@@ -39,7 +39,10 @@ class Config:
     sections: dict[str, Any] = field(default_factory=dict)
 
     def storage_options(self, url: str) -> dict[str, Any]:
-        """Options of the longest configured prefix of `url`."""
+        """Options of the longest configured prefix of `url` (its userinfo aside: s3://KEY:SECRET@bucket)."""
+        from safepoint.core.redact import redact_url
+
+        url = redact_url(url)
         best = ""
         for prefix in self.storage:
             if url.startswith(prefix.rstrip("/")) and len(prefix) > len(best):

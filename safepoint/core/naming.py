@@ -51,6 +51,11 @@ def ingest_lease(run: str, step: int, url: str, part: str = "all") -> str:
     return f"ingest:{run}/{step}/{part}@{digest_bytes(redact_url(url).encode())[:16]}"
 
 
+def uploads_limit_name(host: str) -> str:
+    """The Prefect global concurrency limit that bounds one host's uploads (what the UI shows)."""
+    return f"safepoint-uploads-{host}"
+
+
 def uploads_lease_prefix(host: str) -> str:
     """The slots that bound the uploads one host runs at once (`[limits] uploads_per_host`)."""
     return f"uploads:{host}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["redact", "redact_url", "MASK"]
+__all__ = ["redact", "redact_url", "split_userinfo", "MASK"]
 
 MASK = "***"
 
@@ -70,3 +70,18 @@ def redact_url(url: str) -> str:
     if stripped.endswith(":") or stripped.endswith(":/") or not stripped:
         return out
     return stripped
+
+
+def split_userinfo(url: str) -> tuple[str, str | None, str | None]:
+    """(url without userinfo, user, password), both unquoted; (url, None, None) when there is none.
+
+    The same reading as `redact`: a password may hold a raw '/' or '+' (unescaped AWS secrets).
+    """
+    from urllib.parse import unquote
+
+    m = _USERINFO_RE.match(url)
+    if m is None:
+        return url, None, None
+    info = m.group("userinfo")[:-1]
+    user, sep, password = info.partition(":")
+    return m.group("scheme") + url[m.end():], unquote(user), unquote(password) if sep else None

@@ -52,7 +52,7 @@ from safepoint.core.errors import DestinationError, FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, MAX_MANIFEST_BYTES, FileEntry, check_run
 from safepoint.core.hashing import new_hasher
 from safepoint.core.naming import snapshot_key
-from safepoint.core.redact import redact
+from safepoint.core.redact import redact, split_userinfo
 from safepoint.destinations import retry
 from safepoint.destinations.base import (
     Capabilities,
@@ -65,6 +65,7 @@ from safepoint.destinations.base import (
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.fsspec_dest import info_mtime
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
+from safepoint.local.credentials import unseal
 from safepoint.local.durable_write import FileWriter
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,10 @@ class S3Destination(Destination):
     capabilities = Capabilities(atomic_exclusive_create=True, multipart_uploads=True)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        url = unseal(url) or url
+        _clean, user, password = split_userinfo(url)
+        if user is not None and password is not None:  # s3://KEY:SECRET@bucket/p: the URL's keys win
+            storage_options = {**(storage_options or {}), "key": user, "secret": password}
         self.url = redact(url.rstrip("/")) or url
         self.bucket, self.prefix = parse_s3_url(url)
         self.tuning, self._fs_options = split_options(storage_options)

@@ -38,6 +38,9 @@ from safepoint.local.snapshot import LocalSnapshot
 log = logging.getLogger("safepoint.events.markers")
 
 EVENT = "safepoint.checkpoint.committed"
+#: what the ingest flow emits when a checkpoint reaches a verdict (flows/automations.py), same resource
+OUTCOME_EVENTS = {"verified": "safepoint.checkpoint.verified", "corrupt": "safepoint.checkpoint.corrupt",
+                  "invalid": "safepoint.checkpoint.invalid"}
 RESOURCE_PREFIX = "safepoint.checkpoint."
 NODE_LABEL = "safepoint.node"
 FLOW_NAME = "safepoint-ingest"

@@ -42,10 +42,10 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def _write_temp(folder: Path, name: str, data: bytes) -> Path:
-    """A fsynced temporary file next to `name`, with a name no other writer uses."""
+def _write_temp(folder: Path, name: str, data: bytes, mode: int = 0o644) -> Path:
+    """A fsynced temporary file next to `name`, with a name no other writer uses, created with `mode`."""
     tmp = folder / f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -57,14 +57,14 @@ def _write_temp(folder: Path, name: str, data: bytes) -> Path:
     return tmp
 
 
-def write_replace(path: str | os.PathLike[str], data: bytes) -> None:
+def write_replace(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
     """Write `path` atomically (temp file, fsync, rename over it, fsync the folder).
 
     A folder fsync that fails after the rename leaves a file of unknown durability: it is removed
     and the error raised (a control file left there would commit what the caller reports failed).
     """
     dst = Path(path)
-    tmp = _write_temp(dst.parent, dst.name, data)
+    tmp = _write_temp(dst.parent, dst.name, data, mode)
     try:
         os.replace(tmp, dst)
     finally:
@@ -76,7 +76,7 @@ def write_replace(path: str | os.PathLike[str], data: bytes) -> None:
         raise
 
 
-def write_exclusive(path: str | os.PathLike[str], data: bytes) -> bool:
+def write_exclusive(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> bool:
     """Create `path` with `data` only if it does not exist; False when it does (someone else won).
 
     The link of a complete, fsynced temporary file is the atomic step: readers never see a partial
@@ -84,7 +84,7 @@ def write_exclusive(path: str | os.PathLike[str], data: bytes) -> bool:
     a file of unknown durability: it is removed and the error raised.
     """
     dst = Path(path)
-    tmp = _write_temp(dst.parent, dst.name, data)
+    tmp = _write_temp(dst.parent, dst.name, data, mode)
     try:
         os.link(tmp, dst)
     except FileExistsError:

@@ -25,7 +25,7 @@ from safepoint.destinations.check import check_destinations
 from safepoint.destinations.parts import check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import assemble, progress, reconcile, steps
-from safepoint.ops.leases import ingest_leases
+from safepoint.ops.leases import HostLimit, ingest_leases
 from safepoint.ops.metrics import MemorySampler
 from safepoint.ops.replicate import ReplicaResult
 from safepoint.ops.runner import INLINE, StepRunner
@@ -89,7 +89,9 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
         # Repair what a crashed earlier attempt left at these destinations (scoped, cheap).
         runner.run("reconcile", reconcile_scope, catalog, m.run, m.step, to, config)
         checkpoint_id = runner.run("register", steps.register, catalog, snap).id
-        answers = runner.map("replicate", replicate_one, [(catalog, checkpoint_id, snap, url, config) for url in to])
+        limit = getattr(runner, "host_limit", None)  # Prefect's global concurrency limit, where there is one
+        answers = runner.map("replicate", replicate_one,
+                             [(catalog, checkpoint_id, snap, url, config, limit) for url in to])
         results = [_as_result(url, a) for url, a in zip(to, answers)]
         factory = model or config.run_setting(m.run, "model")
         if is_part(m):
@@ -109,13 +111,13 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
 
 
 def replicate_one(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
-                  config: Config) -> ReplicaResult:
+                  config: Config, host_limit: HostLimit | None = None) -> ReplicaResult:
     """Replicate a whole snapshot, or this node's part of a multi-node one, under the ingest leases.
 
     I/O failures raise (a flow's runner retries them); the composition turns a final failure into
     a `failed` replica, so the other destinations still settle the checkpoint.
     """
-    with ingest_leases(catalog, snap.manifest, url, config):
+    with ingest_leases(catalog, snap.manifest, url, config, host_limit):
         if is_part(snap.manifest):
             return assemble.replicate_part_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook(url))
         return steps.replicate_to(catalog, checkpoint_id, snap, url, config, progress=progress.hook(url))

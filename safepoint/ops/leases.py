@@ -8,6 +8,10 @@ waits forever: `wait_s` bounds every wait and the caller decides what a timeout 
 - `held(catalog, name)`: a mutex, e.g. "one ingest of this checkpoint part per destination";
 - `slot(catalog, prefix, slots)`: a counting semaphore of `slots` leases, e.g. "at most N uploads
   in flight on this host", without a Prefect server (works with the embedded runner too).
+
+With a Prefect server, the uploads per host are a Prefect global concurrency limit instead (a
+`HostLimit` from the flow's step runner, safepoint.tasks.runner), which the UI shows and an operator
+can change; the catalog slots serve only where Prefect cannot (no server, or a temporary one).
 """
 
 from __future__ import annotations
@@ -18,18 +22,22 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config
 from safepoint.core.errors import SafepointError
 from safepoint.core.format import Manifest
-from safepoint.core.naming import ingest_lease, uploads_lease_prefix
+from safepoint.core.naming import ingest_lease, uploads_lease_prefix, uploads_limit_name
 from safepoint.destinations.parts import is_part, part_key
 
 
 class LeaseBusy(SafepointError):
     """The lease (or every slot) stayed held by others for the whole wait."""
+
+
+#: (limit name, slots, wait_s) -> a context manager holding one slot, or None where the runner has none
+HostLimit = Callable[[str, int, float], "AbstractContextManager[None] | None"]
 
 
 def default_holder() -> str:
@@ -153,14 +161,18 @@ def limits(config: Config) -> tuple[int, float, float]:
 
 
 @contextmanager
-def ingest_leases(catalog: Catalog, manifest: Manifest, url: str, config: Config) -> Iterator[None]:
+def ingest_leases(catalog: Catalog, manifest: Manifest, url: str, config: Config,
+                  host_limit: HostLimit | None = None) -> Iterator[None]:
     """Never two ingests of one checkpoint (part) into one destination at once; at most N uploads per host.
 
-    Both are catalog leases, so they hold across processes and hosts, with or without a Prefect
-    server, and expire if a holder dies.
+    The first is a catalog lease; the second a slot of `host_limit` (Prefect's global concurrency
+    limit) when the runner has one, else catalog slots. Both hold across processes and hosts and
+    expire if a holder dies.
     """
     part = part_key(manifest.held_ranks) if is_part(manifest) else "all"
     slots, ttl, wait = limits(config)
+    host = this_host()
+    per_host = host_limit(uploads_limit_name(host), slots, wait) if host_limit is not None else None
     with held(catalog, ingest_lease(manifest.run, manifest.step, url, part), ttl_s=ttl, wait_s=wait), \
-            slot(catalog, uploads_lease_prefix(this_host()), slots, ttl_s=ttl, wait_s=wait):
+            (per_host or slot(catalog, uploads_lease_prefix(host), slots, ttl_s=ttl, wait_s=wait)):
         yield

@@ -1,0 +1,84 @@
+"""Credentials by reference: a URL that holds a secret never leaves this host in clear.
+
+Prefect stores a flow run's parameters, and an event's payload, in its database, and its UI and
+API show them. So before a URL with userinfo (`s3://KEY:SECRET@bucket/p`,
+`postgresql://u:PASSWORD@host/db`) becomes a parameter or a payload, `seal` writes it to a file
+of its own under `$SAFEPOINT_HOME/credentials/` (mode 0600, folder 0700) and returns the URL with
+the userinfo replaced by a reference: `s3://safepoint-ref-<id>@bucket/p`. `redact` strips that
+like any userinfo, so the catalog and logs hold `s3://bucket/p`; `unseal`, in the process that
+runs the flow, reads the URL back. The id is a keyed hash (the key is a random file beside the
+references), so sealing the same URL twice gives the same reference and the id reveals nothing.
+
+A flow run on another host cannot read the reference: give its worker the credentials in its
+environment, or use a Prefect block (`block:NAME/prefix`, safepoint.flows.credentials).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from pathlib import Path
+
+from safepoint.core.config import home
+from safepoint.core.errors import UsageError
+from safepoint.core.redact import redact_url, split_userinfo
+from safepoint.local.atomic import write_exclusive, write_replace
+
+__all__ = ["REF_PREFIX", "seal", "unseal", "is_sealed"]
+
+REF_PREFIX = "safepoint-ref-"
+_REF_RE = re.compile(rf"^{REF_PREFIX}([0-9a-f]{{32}})$")
+
+
+def _folder() -> Path:
+    d = home() / "credentials"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    return d
+
+
+def _key(folder: Path) -> bytes:
+    path = folder / ".key"
+    if not path.is_file():
+        write_exclusive(path, secrets.token_bytes(32), mode=0o600)  # of two racing makers, one wins
+    return path.read_bytes()
+
+
+def seal(url: str | None) -> str | None:
+    """`url` with its userinfo stored here and replaced by a reference; unchanged when it has none."""
+    if not url:
+        return url
+    clean, user, password = split_userinfo(url)
+    if user is None or (password is None and _REF_RE.match(user)):
+        return url
+    folder = _folder()
+    ref = hmac.new(_key(folder), url.encode(), hashlib.sha256).hexdigest()[:32]
+    path = folder / ref
+    if not path.is_file() or path.read_text() != url:
+        write_replace(path, url.encode(), mode=0o600)
+    scheme, _, rest = clean.partition("://")
+    return f"{scheme}://{REF_PREFIX}{ref}@{rest}"
+
+
+def is_sealed(url: str | None) -> bool:
+    if not url:
+        return False
+    _clean, user, password = split_userinfo(url)
+    return user is not None and password is None and _REF_RE.match(user) is not None
+
+
+def unseal(url: str | None) -> str | None:
+    """The URL a reference stands for (other URLs unchanged); UsageError when this host lacks it."""
+    if not is_sealed(url):
+        return url
+    _clean, user, _ = split_userinfo(url or "")
+    path = home() / "credentials" / _REF_RE.match(user or "").group(1)  # type: ignore[union-attr]
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise UsageError(f"{redact_url(url or '')}: its credentials were sealed on another host or SAFEPOINT_HOME "
+                         f"({path} is missing): give this process the credentials in its environment, or use "
+                         "a Prefect block (block:NAME/prefix)") from None
