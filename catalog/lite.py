@@ -85,6 +85,7 @@ class LiteCatalog:
         con = sqlite3.connect(self.db, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         try:
             con.execute("PRAGMA foreign_keys = ON")
+            con.execute("PRAGMA synchronous = NORMAL")  # as catalog.db: durable enough with WAL
             con.execute("BEGIN IMMEDIATE" if write else "BEGIN")  # writers lock up front (as catalog.db)
             try:
                 yield con
