@@ -14,11 +14,13 @@ an order that rotates:
   each run on a new checkpoint (made untimed: validation refuses a step identical to the last);
 - **restore**: `safepoint restore --run R --step S --into OUT --from s3://bench/sp` (fresh process,
   catalog opened, every byte BLAKE3-verified and fsynced; the local copy is gone) against
-  `s5cmd cp 's3://bench/sp/R/S/*' OUT/` of the same objects. The split of a restore is seen from
+  `s5cmd cp 's3://bench/sp/R/S/*' OUT/` of the same objects; the same again for one 1 GiB file (a
+  checkpoint of one shard, run `e2e-1file`, ingested once, untimed). The split of a restore is seen from
   outside, by polling OUT every 5 ms: *ready* (process start to OUT appearing: interpreter, imports,
   catalog, plan), *first byte* (OUT appearing to the first byte of a shard on disk), *transfer*
   (to the last byte on disk), *tail* (to the process's exit: fsync, MANIFEST.json, COMMITTED). The
-  import part of *ready* is measured apart (`import` of the restore command's modules);
+  import part of *ready* is measured apart (`import` of the restore command's modules and botocore's
+  client);
 - **ls**: `safepoint ls` on an empty catalog and on this run's catalog (fresh processes, .pyc files
   written as an installed package has them), against `python -c pass`.
 
@@ -46,6 +48,7 @@ from tests.s3server import SeaweedFS  # noqa: E402
 MiB = 2**20
 BUCKET = "bench"
 RUN = "e2e"
+SINGLE_RUN = "e2e-1file"
 
 
 def make_shards(folder: Path, total_mib: int, shards: int, seed: int) -> int:
@@ -76,7 +79,12 @@ class Timer:
                 if watch is not None and "ready" not in marks and watch.exists():
                     marks["ready"] = time.perf_counter() - t0
                 if "ready" in marks:
-                    got = sum(p.stat().st_size for p in watch.glob("*.pt") if p.is_file()) if watch.exists() else 0
+                    got = 0
+                    for p in watch.glob("*.pt"):  # the temporary names (.safepoint-tmp-*) too
+                        try:
+                            got += p.stat().st_size
+                        except FileNotFoundError:  # renamed between the listing and the stat
+                            pass
                     if got and "first" not in marks:
                         marks["first"] = time.perf_counter() - t0
                     if got >= expect and "done" not in marks:
@@ -134,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--ls-runs", type=int, default=5)
     ap.add_argument("--skip-ingest", action="store_true", help="restore and ls only (ingest once, untimed)")
+    ap.add_argument("--lanes", default="sp,sha,crc",
+                    help="ingest lanes to time: sp (read-back), sha, crc (store attests); default all three")
     a = ap.parse_args(argv)
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -172,8 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             first_ingest = t.run([*sp, "ingest", str(first), "--to", f"s3://{BUCKET}/sp"])["wall"]
             t.run([*s5, "cp", f"{first}/*", f"s3://{BUCKET}/s5/warm/"])
             shutil.rmtree(first)
+            # one 1 GiB file (one shard), ingested once untimed, for the single-file restore
+            single = work / "nvme" / "single"  # a run of its own: RUN's steps stay in order
+            single_bytes = make_shards(single, a.size_mib, 1, seed=10_000)
+            t.run([*sp, "commit", str(single), "--run", SINGLE_RUN, "--step", "1"])
+            t.run([*sp, "ingest", str(single), "--to", f"s3://{BUCKET}/sp"])
+            shutil.rmtree(single)
             lanes = {"safepoint ingest, read-back": "sp", "safepoint ingest, store attests sha256": "sha",
                      "safepoint ingest, store attests crc32": "crc"}
+            lanes = {k: v for k, v in lanes.items() if v in a.lanes.split(",")}
             ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], **{k: [] for k in lanes}}
             steps = [step]
             walls: dict[int, float] = {}
@@ -194,26 +211,30 @@ def main(argv: list[str] | None = None) -> int:
                         walls[step] = w
                     print(f"  ingest round {rnd + 1} {tool:38s} {w:6.2f} s", flush=True)
                     shutil.rmtree(folder)  # the local copy is gone before restores
-            res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": []}
+            res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": [],
+                                                       "safepoint restore, 1 file": [],
+                                                       "s5cmd cp (download), 1 file": []}
             for rnd in range(a.rounds):
-                s = steps[rnd % len(steps)]
                 order = list(res) if rnd % 2 == 0 else list(res)[::-1]
                 for tool in order:
-                    out = work / "out" / f"r{rnd}-{tool.split()[0]}"
+                    run, s, want = ((SINGLE_RUN, 1, single_bytes) if tool.endswith("1 file")
+                                    else (RUN, steps[rnd % len(steps)], nbytes))
+                    out = work / "out" / f"r{rnd}-{tool.split()[0]}-{run}"
                     if tool.startswith("safepoint"):
-                        m = t.run([*sp, "restore", "--run", RUN, "--step", str(s), "--into", str(out),
-                                   "--from", f"s3://{BUCKET}/sp"], watch=out, expect=nbytes)
+                        m = t.run([*sp, "restore", "--run", run, "--step", str(s), "--into", str(out),
+                                   "--from", f"s3://{BUCKET}/sp"], watch=out, expect=want)
                     else:
                         out.mkdir(parents=True)
-                        m = t.run([*s5, "cp", f"s3://{BUCKET}/sp/{RUN}/{s}/*", f"{out}/"])
+                        m = t.run([*s5, "cp", f"s3://{BUCKET}/sp/{run}/{s}/*", f"{out}/"])
                     got = sum(p.stat().st_size for p in out.glob("*.pt"))
-                    if got != nbytes:
-                        sys.exit(f"{tool} wrote {got} bytes of shards, expected {nbytes}")
+                    if got != want:
+                        sys.exit(f"{tool} wrote {got} bytes of shards, expected {want}")
                     res[tool].append(m)
                     print(f"  restore round {rnd + 1} {tool:22s} {m['wall']:6.2f} s", flush=True)
                     shutil.rmtree(out)
             restore_imports = [t.run([py, "-c", "import safepoint.cli.main, safepoint.cli.restore_cmds, "
-                                      "safepoint.ops.restore, safepoint.catalog.store"])["wall"]
+                                      "safepoint.ops.restore, safepoint.destinations.s3, botocore.session, "
+                                      "botocore.config"])["wall"]
                                for _ in range(a.ls_runs)]
             (work / "empty").mkdir()
             env_empty = {**env, "SAFEPOINT_HOME": str(work / "empty")}
@@ -221,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             ls_small = [t.run([*sp, "ls"])["wall"] for _ in range(a.ls_runs)]
             ls_empty = [Timer(env_empty).run([*sp, "ls"])["wall"] for _ in range(a.ls_runs)]
             bare = [t.run([py, "-c", "pass"])["wall"] for _ in range(a.ls_runs)]
-            n_ckpt = step  # every checkpoint made was ingested
+            n_ckpt = step + 1  # every checkpoint made was ingested, and the single file
         finally:
             subprocess.run([*sp, "server", "stop"], env=env, cwd=ROOT, capture_output=True)
     load1 = os.getloadavg()
@@ -243,28 +264,33 @@ def main(argv: list[str] | None = None) -> int:
             per_round = med([x / y for x, y in zip(ing[tool], ing["s5cmd cp (upload)"])])
             print(f"| whole ingest, steady state ({tool.split(', ')[1]}) | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | "
                   f"{ratio(si, pi)} (per round {per_round:.2f}x) |")
-    srs, prs = [m["wall"] for m in res["safepoint restore"]], [m["wall"] for m in res["s5cmd cp (download)"]]
-    sr, pr = med(srs), med(prs)
-    print(f"| restore end to end | {sr:.2f} | `s5cmd cp` download | {pr:.2f} | {ratio(sr, pr)} "
-          f"(per round {med([x / y for x, y in zip(srs, prs)]):.2f}x) |")
+    for what, suffix in (("restore end to end, 8 shards", ""), ("restore end to end, 1 file", ", 1 file")):
+        srs = [m["wall"] for m in res["safepoint restore" + suffix]]
+        prs = [m["wall"] for m in res["s5cmd cp (download)" + suffix]]
+        sr, pr = med(srs), med(prs)
+        print(f"| {what} | {sr:.2f} | `s5cmd cp` download | {pr:.2f} | {ratio(sr, pr)} "
+              f"(per round {med([x / y for x, y in zip(srs, prs)]):.2f}x) |")
     bp = med(bare)
     print(f"| `safepoint ls`, empty catalog | {med(ls_empty):.3f} | `python -c pass` | {bp:.3f} | "
           f"{ratio(med(ls_empty), bp)} |")
     print(f"| `safepoint ls`, {n_ckpt} checkpoints | {med(ls_small):.3f} | `python -c pass` | {bp:.3f} | "
           f"{ratio(med(ls_small), bp)} |")
-    rs = res["safepoint restore"]
-    ready = med([m.get("ready", float("nan")) for m in rs])
-    first = med([m.get("first", float("nan")) - m.get("ready", float("nan")) for m in rs])
-    xfer = med([m.get("done", float("nan")) - m.get("first", float("nan")) for m in rs])
-    tail = med([m["wall"] - m.get("done", float("nan")) for m in rs])
     imp = med(restore_imports)
     if not a.skip_ingest:
         print("\ningest split (medians, s): outside the flow (process, imports, Prefect) / flow before the "
               "replica / replicate + proof / after (validation, catalog)")
         for prefix, xs in ingest_split(work / "sp" / "catalog.db", walls).items():
             print(f"  s3://{BUCKET}/{prefix}: " + " / ".join(f"{med([x[i] for x in xs]):.2f}" for i in range(4)))
-    print(f"\nrestore split (medians, s): ready {ready:.2f} (of which imports {imp:.2f}, in a fresh interpreter), "
-          f"first byte {first:.2f}, transfer {xfer:.2f} ({nbytes / MiB / xfer:.0f} MiB/s), tail {tail:.2f}")
+    print(f"\nrestore's imports (CLI, restore, S3 client) in a fresh interpreter: {imp:.2f} s")
+    for suffix, size in (("", nbytes), (", 1 file", single_bytes)):
+        rs = res["safepoint restore" + suffix]
+        ready = med([m.get("ready", float("nan")) for m in rs])
+        first = med([m.get("first", float("nan")) - m.get("ready", float("nan")) for m in rs])
+        xfer = med([m.get("done", float("nan")) - m.get("first", float("nan")) for m in rs])
+        tail = med([m["wall"] - m.get("done", float("nan")) for m in rs])
+        print(f"restore split{suffix or ', 8 shards'} (medians, s): ready {ready:.2f} (process start to OUT: imports, "
+              f"catalog, plan, manifest), first byte {first:.2f}, transfer {xfer:.2f} ({size / MiB / xfer:.0f} MiB/s), "
+              f"tail {tail:.2f}")
     print("goals: ingest <= 1.25x, restore <= 1.0x, ls <= 0.3 s")
     for d in ("seaweedfs", "out", "nvme"):
         shutil.rmtree(work / d, ignore_errors=True)

@@ -7,8 +7,6 @@ every catalog, old or new, has exactly the schema some revision describes.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import threading
 import time
@@ -20,6 +18,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.pool import StaticPool
 
+from safepoint.catalog.jsontext import json_dumps
 from safepoint.catalog.revision import HEAD_REVISION
 
 if TYPE_CHECKING:
@@ -65,22 +64,6 @@ def normalize_url(url: str | URL) -> URL:
 
 def _key(url: str | URL) -> str:
     return normalize_url(url).render_as_string(hide_password=False)
-
-
-def _json_safe(obj: Any) -> Any:
-    # PostgreSQL JSONB rejects NaN/Infinity; keep the information as strings.
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def json_dumps(obj: Any) -> str:
-    """JSON for the catalog: no NaN/Infinity, and anything unknown (datetime, Path) as str."""
-    return json.dumps(_json_safe(obj), default=str, allow_nan=False)
 
 
 def _sqlite_events(engine: Engine) -> None:

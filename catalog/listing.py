@@ -21,7 +21,7 @@ from safepoint.catalog.revision import HEAD_REVISION
 from safepoint.catalog.views import CheckpointView, ReplicaView
 from safepoint.core.states import CheckpointState, ReplicaState
 
-__all__ = ["CHECKPOINTS", "REPLICAS", "statements", "views", "read_sqlite"]
+__all__ = ["CHECKPOINTS", "REPLICAS", "parse_json", "parse_time", "statements", "views", "read_sqlite"]
 
 CHECKPOINTS = (
     "SELECT c.id, r.name AS run, c.step, c.state, c.local_path, c.created_at, c.total_bytes, c.pinned, c.tags, "
@@ -50,7 +50,7 @@ def statements(run: str | None = None, states: Iterable[CheckpointState] | None 
     return CHECKPOINTS.format(where=clause), REPLICAS.format(where=clause), params
 
 
-def _time(value: Any) -> datetime | None:
+def parse_time(value: Any) -> datetime | None:
     """A stored time as an aware UTC datetime (as models.UTCDateTime returns it): SQLite keeps naive text."""
     if value is None:
         return None
@@ -58,7 +58,7 @@ def _time(value: Any) -> datetime | None:
     return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
 
 
-def _json(value: Any) -> Any:
+def parse_json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, (str, bytes)) else value  # SQLite: text; PostgreSQL: decoded
 
 
@@ -66,16 +66,16 @@ def views(rows: Iterable[Sequence[Any]], replica_rows: Iterable[Sequence[Any]]) 
     """CheckpointViews from the rows of CHECKPOINTS and REPLICAS, on any backend and any driver."""
     reps: dict[int, list[ReplicaView]] = {}
     for cid, url, dest, state, verified_at in replica_rows:
-        reps.setdefault(cid, []).append(ReplicaView(url, dest, ReplicaState(state), _time(verified_at)))
+        reps.setdefault(cid, []).append(ReplicaView(url, dest, ReplicaState(state), parse_time(verified_at)))
     out = []
     for (cid, run, step, state, local_path, created_at, total_bytes, pinned, tags, metrics, parent_run, parent_step,
          world_size, file_count, state_changed_at, error, version) in rows:
         out.append(CheckpointView(
             id=cid, run=run, step=step, state=CheckpointState(state), local_path=local_path,
-            created_at=_time(created_at), total_bytes=total_bytes, pinned=bool(pinned),
-            tags=tuple(_json(tags) or ()), metrics=dict(_json(metrics) or {}),
+            created_at=parse_time(created_at), total_bytes=total_bytes, pinned=bool(pinned),
+            tags=tuple(parse_json(tags) or ()), metrics=dict(parse_json(metrics) or {}),
             parent=(parent_run, parent_step) if parent_run is not None else None, world_size=world_size,
-            replicas=tuple(reps.get(cid, ())), file_count=file_count, state_changed_at=_time(state_changed_at),
+            replicas=tuple(reps.get(cid, ())), file_count=file_count, state_changed_at=parse_time(state_changed_at),
             error=error, version=version))
     return out
 

@@ -31,6 +31,15 @@ def _catalog(args):
     return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
 
 
+def _fast_catalog(args):
+    """The catalog for the read-mostly commands (restore, resume-point): sqlite3 alone on a SQLite catalog
+    at head (safepoint.catalog.lite), the catalog proper otherwise."""
+    from safepoint.catalog.lite import open_fast
+    from safepoint.core.config import load_config
+
+    return open_fast(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
 def run_hint(cat, run: str) -> str:
     """' (did you mean 'my-run'?)' when `run` is not in the catalog and a recorded run is close to it."""
     if cat.get_run_id(run) is not None:

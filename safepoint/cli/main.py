@@ -15,6 +15,7 @@ from safepoint.cli.common import (
     EXIT_ERROR,
     EXIT_OK,
     _catalog,
+    _fast_catalog,
     _ingest_exit,
     check_destinations_here,
     err,
@@ -148,7 +149,7 @@ def cmd_resume_point(args) -> int:
     from safepoint.ops.resume import find_resume_point
 
     _check_min_replicas(args.min_replicas)
-    cat = _catalog(args)
+    cat = _fast_catalog(args)
     decision = find_resume_point(cat, args.run, min_replicas=args.min_replicas, max_step=args.max_step,
                                  before=parse_time(args.before) if args.before else None, tag=args.tag)
     passed = [{"step": c.step, "state": str(c.state), "reason": why} for c, why in decision.passed_over]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out, run_hint
+from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _fast_catalog, err, out, run_hint
 
 
 def _size(n: int) -> str:
@@ -18,7 +18,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from safepoint.ops.restore import NothingToRestore, RestoreError, restore
     from safepoint.ops.resume import find_resume_point
 
-    cat = _catalog(args)
+    cat = _fast_catalog(args)
     total = None
     if args.step is None:
         chosen = find_resume_point(cat, args.run, min_replicas=args.min_replicas).chosen

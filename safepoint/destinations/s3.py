@@ -63,7 +63,6 @@ from safepoint.destinations.base import (
     group_listing,
 )
 from safepoint.destinations.buffers import BufferPool
-from safepoint.destinations.fsspec_dest import info_mtime
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
 from safepoint.local.credentials import unseal
 from safepoint.local.durable_write import FileWriter
@@ -725,6 +724,8 @@ class S3Destination(Destination):
         what = f"list {self._where(prefix)}"
 
         def objects() -> list[tuple[str, StoredObject | None, float | None]]:
+            from safepoint.destinations.fsspec_dest import info_mtime  # fsspec: not on a restore's path
+
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
             return [(o["Key"][len(base):], StoredObject(int(o.get("Size") or 0), info_mtime(o)), None)
                     for page in pages for o in page.get("Contents", []) or []]

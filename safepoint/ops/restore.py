@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from safepoint.catalog.store import Catalog, open_catalog
+from safepoint.catalog.lite import LiteCatalog, open_fast
 from safepoint.catalog.views import CheckpointRow
 from safepoint.core import resumed
 from safepoint.core.config import Config, load_config
@@ -48,7 +48,6 @@ from safepoint.ops.fetch import Fetched, TargetDiskError, fetch_snapshot
 from safepoint.ops.fetch import seal as seal_snapshot
 from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
-from safepoint.ops.steps import settle_copies
 from safepoint.rules.completeness import FileRow, copy_problem
 from safepoint.rules.restore import (
     Outcome,
@@ -59,6 +58,9 @@ from safepoint.rules.restore import (
     source_order,
     target_action,
 )
+
+if TYPE_CHECKING:
+    from safepoint.catalog.store import Catalog
 
 STATE_NAME = f"{TMP_PREFIX}restore.json"   # present while a restore into the folder is unfinished
 EVENT = "restore"
@@ -189,7 +191,7 @@ def _choice(catalog: Catalog, row: CheckpointRow, replicas: tuple[tuple[str, str
                    parts, files)
 
 
-def choose(catalog: Catalog, run: str, step: int | None, *, min_replicas: int = 1,
+def choose(catalog: Catalog | LiteCatalog, run: str, step: int | None, *, min_replicas: int = 1,
            max_step: int | None = None) -> _Choice:
     """The checkpoint to restore: `step` exactly, or the resume point at or below `max_step`."""
     if step is not None:
@@ -255,7 +257,7 @@ def seal(into: Path, fetched: Fetched) -> None:
     fsync_dir(into)
 
 
-def record_findings(catalog: Catalog, choice: _Choice, fetched: Fetched) -> list[dict[str, str]]:
+def record_findings(catalog: Catalog | LiteCatalog, choice: _Choice, fetched: Fetched) -> list[dict[str, str]]:
     """Mark each replica found bad (corrupt or missing, with the reason); settle the checkpoint."""
     failed = []
     for source, (state, reason) in replica_findings(fetched.attempts).items():
@@ -267,6 +269,8 @@ def record_findings(catalog: Catalog, choice: _Choice, fetched: Fetched) -> list
                 failed.append({"url": a.source.url, "state": "corrupt", "reason": f"{path}: {a.reason}"})
                 break
     if failed:
+        from safepoint.ops.steps import settle_copies  # only then: it imports the catalog proper
+
         settle_copies(catalog, choice.checkpoint_id)
     return failed
 
@@ -281,7 +285,7 @@ def restore(
     sources: Sequence[str] = (),
     min_replicas: int = 1,
     force: bool = False,
-    catalog: Catalog | None = None,
+    catalog: Catalog | LiteCatalog | None = None,
     config: Config | None = None,
     files_at_once: int = 8,
     on_bytes: Callable[[int], None] | None = None,
@@ -296,7 +300,7 @@ def restore(
     """
     t0 = time.perf_counter()
     config = config or load_config()
-    catalog = catalog or open_catalog(config.catalog_url)
+    catalog = catalog or open_fast(config.catalog_url)  # SQLite at head: no SQLAlchemy (catalog.lite)
     target = Path(into).absolute()
     prefer = [str(p) for p in config.section("restore").get("prefer", [])]
     say = say or (lambda _msg: None)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from safepoint.catalog.store import Catalog
 from safepoint.rules.resume import ResumeDecision, resume_point_paged
 
+if TYPE_CHECKING:
+    from safepoint.catalog.lite import LiteCatalog
+    from safepoint.catalog.store import Catalog
 
-def find_resume_point(catalog: Catalog, run: str, *, min_replicas: int = 1, max_step: int | None = None,
+
+def find_resume_point(catalog: Catalog | LiteCatalog, run: str, *, min_replicas: int = 1, max_step: int | None = None,
                       before: datetime | None = None, tag: str | None = None, page: int = 8) -> ResumeDecision:
     """The pure rule safepoint.rules.resume.resume_point over `run` in `catalog`, reading only the rows it needs.
 
