@@ -72,9 +72,13 @@ class PrefectSteps:
 def _global_slot(name: str, slots: int, wait_s: float) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
 
     with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name, slots)
+        try:
+            client.upsert_global_concurrency_limit_by_name(name, slots)
+        except ObjectAlreadyExists:  # another node created it between Prefect's read and its create
+            client.upsert_global_concurrency_limit_by_name(name, slots)
     with ExitStack() as held:
         try:  # only the wait for a slot: a timeout inside the upload is the upload's
             held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True))
