@@ -59,9 +59,9 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
 
 
 def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
-    from safepoint.flows.ingest import ingest
+    from safepoint.flows.ingest import ingest_result
 
-    return ingest(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
+    return ingest_result(snapshot=str(Path(folder).resolve()), to=to, model=model, catalog_url=catalog_url)
 
 
 def _ingest_exit(state: str) -> int:
