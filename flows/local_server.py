@@ -310,14 +310,14 @@ def live_clients(home: Path) -> list[int]:
     return alive
 
 
-def keep(home: Path, port: int, idle_s: float) -> int:
-    """The keeper: run `prefect server start` as a child; stop it after `idle_s` without a client.
+def keep(home: Path, port: int, idle_s: float, command: list[str] | None = None) -> int:
+    """The keeper: run `prefect server start` (or `command`) as a child; stop it after `idle_s` without a client.
 
     It is the pid recorded in the state file and the leader of the process group that
     `safepoint server stop` signals, so stopping it stops the server too.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)],
-                            stdin=subprocess.DEVNULL)
+    command = command or [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     poll_s = min(5.0, max(idle_s / 4, 0.2))
     last_used = time.monotonic()
     while proc.poll() is None:
