@@ -241,7 +241,8 @@ def main() -> None:
         for step, t_marker in markers.items():
             row = cat.get(RUN, step)
             ev = {e["detail"].get("to"): e["at"].timestamp() for e in cat.events(row.id, kind="state")}
-            mine = [r for r in runs if f"/{RUN}/step-{step}" in str((r.parameters or {}).get("snapshot", ""))]
+            mine = [r for r in runs  # the whole last name: step-1 must not match step-10's runs
+                    if str((r.parameters or {}).get("snapshot", "")).rstrip("/").endswith(f"/{RUN}/step-{step}")]
             first_marker = min((fleet.root(n) / RUN / f"step-{step}" / "COMMITTED").stat().st_mtime for n in nodes)
             results.append({
                 "total": ev["verified"] - t_marker,

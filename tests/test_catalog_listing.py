@@ -70,3 +70,15 @@ def test_the_listing_reads_every_column_on_each_backend(catalog, tmp_path):
     assert one.replicas[0].state is R.VERIFIED and one.replicas[0].verified_at.tzinfo is timezone.utc
     assert (two.state, two.parent, two.replicas, two.tags, two.metrics) == (C.INVALID, ("a", 1), (), (), {})
     assert [v.step for v in catalog.list_checkpoints(states={C.INVALID})] == [2]
+
+
+def test_ls_of_a_catalog_url_that_names_no_file_says_so(tmp_path, capsys):
+    """A mistyped `--catalog` lists nothing, as an empty catalog would, but says there is no file there."""
+    from safepoint.cli.main import main
+
+    missing = tmp_path / "typo" / "catalog.db"
+    assert main(["ls", "--catalog", f"sqlite:///{missing}"]) == 0
+    captured = capsys.readouterr()
+    assert f"no catalog at {missing} yet" in captured.err
+    assert captured.out.split() == ["run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags"]
+    assert not missing.exists()

@@ -121,3 +121,27 @@ def test_guarded_codes(exc, code, capsys):
 
     assert guarded(command, verbose=False, stderr=__import__("sys").stderr) == code
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_reader_gone_is_quiet_141_but_a_broken_socket_is_an_error(tmp_path, capsys):
+    """`safepoint ls --json | head -1`: the closed pipe is the reader's choice, not an error; a
+    BrokenPipeError from anything else (a storage connection) still exits 2 with its line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SAFEPOINT_HOME": str(tmp_path / "home")}
+    code = ("import sys, safepoint.cli.guard as g\n"
+            "def chatty():\n    for _ in range(10**5):\n        print('x' * 99)\n    return 0\n"
+            "sys.exit(g.guarded(chatty, verbose=False, stderr=sys.stderr))")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.readline()
+    p.stdout.close()
+    assert p.wait(timeout=60) == 141
+    assert p.stderr.read() == b""
+
+    def socket_broke():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert guarded(socket_broke, verbose=False, stderr=sys.stderr) == 2  # captured stdout: not a pipe
+    assert "BrokenPipeError" in capsys.readouterr().err

@@ -231,11 +231,6 @@ def test_trainer_snippet_seals_what_it_saves_and_each_is_verified(trained):
     assert views and all(str(v.state) == "verified" for v in views), [(v.step, str(v.state)) for v in views]
 
 
-ISSUE_25 = ("issue 25 fixes resuming stock trainers from safepoint.restore (re-saves into sealed folders, "
-            "restore results as paths); until it lands these lines may fail")
-
-
-@pytest.mark.xfail(strict=False, reason=ISSUE_25)
 def test_trainer_snippet_resumes_from_a_restore(trained, monkeypatch):
     monkeypatch.chdir(trained.work)
     monkeypatch.setenv("SAFEPOINT_CATALOG_URL", trained.catalog_url)

@@ -384,3 +384,16 @@ def test_cli_validate_with_model_checks_the_manifest_step(tmp_path: Path, capsys
     assert main(["validate", str(tmp_path)]) == 0
     assert main(["validate", str(tmp_path), "--model", "tests.test_harness:model_and_adamw"]) == 1
     assert "the checkpoint records step 2, the catalog says step 100" in capsys.readouterr().err
+
+
+def test_cli_validate_json_carries_the_findings(tmp_path: Path, capsys) -> None:
+    import json
+
+    from safepoint.cli.main import main
+    from safepoint.local.commit import commit
+
+    make_torch_save_ckpt(tmp_path)
+    commit(tmp_path, "cli", 100)
+    assert main(["validate", str(tmp_path), "--json", "--model", "tests.test_harness:model_and_adamw"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and any("records step 2" in f["message"] for f in doc["findings"])

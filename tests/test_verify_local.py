@@ -56,3 +56,22 @@ def test_verify_of_a_known_folder_is_still_recorded(tmp_path, sqlite_catalog_url
     before = len(cat.events(kind="verify.local"))
     assert main(["--catalog", sqlite_catalog_url, "verify", str(folder)]) == 0
     assert len(cat.events(kind="verify.local")) == before + 1
+
+
+def test_verify_json_names_each_bad_file(tmp_path, sqlite_catalog_url, capsys):
+    import json
+
+    folder = tmp_path / "ck"
+    make_torch_save_ckpt(folder)
+    assert main(["commit", str(folder), "--run", "j", "--step", "1"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(folder), "--json"]) == 0
+    good = json.loads(capsys.readouterr().out)
+    assert good["state"] == "verified" and set(good["files"].values()) == {"ok"}
+    victim = sorted(good["files"])[0]
+    data = bytearray((folder / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / victim).write_bytes(bytes(data))
+    assert main(["verify", str(folder), "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)
+    assert bad["state"] == "corrupt" and bad["files"][victim] == "hash_mismatch"

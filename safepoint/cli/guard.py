@@ -9,6 +9,8 @@ under `-v`.
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import TextIO
@@ -17,6 +19,7 @@ from safepoint.core.errors import SafepointError
 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what `safepoint ls | head` reports for any Unix tool
 MAX_LINE = 400
 
 
@@ -50,8 +53,24 @@ def guarded(command: Callable[[], int], *, verbose: bool, stderr: TextIO) -> int
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_ERROR)
         return EXIT_ERROR if code == 1 else code
     except BaseException as e:  # noqa: BLE001 - this is the boundary; everything is reported once
+        if isinstance(e, BrokenPipeError) and stdout_closed():
+            # The reader went away (`safepoint ls | head`): no error line, and none at exit either.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_PIPE_CLOSED
         if verbose:
             traceback.print_exc(file=stderr)
         print(one_line(e) if not isinstance(e, KeyboardInterrupt) else "safepoint: interrupted", file=stderr)
         stderr.flush()
         return exit_code(e)
+
+
+def stdout_closed() -> bool:
+    """True when stdout is a pipe whose reader has gone (POLLERR), not a socket that broke."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR)
+        return any(ev & select.POLLERR for _fd, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured): not ours to judge
+        return False

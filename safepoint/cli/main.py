@@ -103,6 +103,8 @@ def _listing(args) -> list:
 
     url = getattr(args, "catalog", None) or load_config().catalog_url
     db = sqlite_file(url)
+    if db is not None and getattr(args, "catalog", None) and not db.exists():
+        err.print(f"no catalog at {db} yet: nothing has been recorded there (check --catalog)")
     views = read_sqlite(db, args.run) if db is not None else None
     return views if views is not None else _catalog(args).list_checkpoints(args.run)
 
@@ -204,7 +206,7 @@ def cmd_verify(args) -> int:
     from safepoint.ops import progress
     from safepoint.ops.verify_local import verify_unknown_local
 
-    shown = err.is_terminal
+    shown = err.is_terminal and not args.json
     with progress.bar(f"verify {args.url}", _local_total(args.url) if shown else None, err, enabled=shown):
         config = load_config()
         found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
@@ -214,7 +216,12 @@ def cmd_verify(args) -> int:
             found = verify_url(_catalog(args), args.url, config)
         report, where = found
     good = report.outcome.value == "verified"
-    (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
+    if args.json:
+        print(json.dumps({"url": where, "state": str(report.outcome), "summary": report.summary(),
+                          "bytes_checked": report.bytes_checked, "error": report.error,
+                          "files": {path: str(status) for path, status in report.files.items()}}, indent=1))
+    else:
+        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
     return EXIT_OK if good else EXIT_BAD
 
 
@@ -238,6 +245,9 @@ def cmd_validate(args) -> int:
         pass
     settings = ValidationSettings.from_config(load_config(), run, model=args.model)
     report = validate_snapshot(path, files, settings=settings, step=step)
+    if args.json:
+        print(json.dumps({"path": path, **report.to_dict()}, indent=1, default=str))
+        return EXIT_OK if report.ok else EXIT_BAD
     for f in report.findings:
         err.print(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
     for f in report.warnings:
@@ -356,11 +366,13 @@ def register(sub) -> None:
 
     s = sub.add_parser("verify")
     s.add_argument("url", metavar="URL_OR_DIR", help="a replica URL (s3://..., file://...) or a local snapshot folder")
+    s.add_argument("--json", action="store_true", help="the state and each file's status as JSON (no progress bar)")
     s.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("validate")
     s.add_argument("url", metavar="DIR", help="a local snapshot folder (or file:// URL)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
+    s.add_argument("--json", action="store_true", help="the findings and warnings as JSON")
     s.set_defaults(fn=cmd_validate)
 
     s = sub.add_parser("prune")
