@@ -45,7 +45,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sp-idle-") as tmp:
         os.environ.update(PREFECT_HOME=str(Path(tmp) / "prefect-home"), SAFEPOINT_HOME=str(Path(tmp) / "sp"),
-                          SAFEPOINT_SERVER_IDLE_STOP_S="0", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+                          PREFECT_SERVER_ANALYTICS_ENABLED="false")  # default idle stop; this process is its client
         os.environ.pop("PREFECT_API_URL", None)
         from safepoint.flows import local_server as ls
 

@@ -318,11 +318,12 @@ def keep(home: Path, port: int, idle_s: float, command: list[str] | None = None)
     """
     command = command or [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    poll_s = min(5.0, max(idle_s / 4, 0.2))
+    poll_s = min(5.0, max(idle_s / 4, 0.2)) if idle_s > 0 else 5.0
     last_used = time.monotonic()
     while proc.poll() is None:
         time.sleep(poll_s)
-        if idle_s <= 0 or (home / PIN_NAME).exists() or live_clients(home):
+        busy = bool(live_clients(home)) or (home / PIN_NAME).exists()  # also prunes finished clients
+        if busy or idle_s <= 0:
             last_used = time.monotonic()
             continue
         if time.monotonic() - last_used < idle_s:
