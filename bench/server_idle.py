@@ -63,6 +63,10 @@ def main() -> int:
             load = os.getloadavg()[0]
             print(f"idle embedded server, {len(after)} processes: {ticks / TICKS / dt:.1%} of one core over "
                   f"{dt:.0f} s, {rss / 2**20:.0f} MiB resident (load {load:.1f})")
+            was = {pid: t for pid, t, _ in before}
+            for pid, t, r in after:
+                name = "keeper" if pid == state.pid else "server"
+                print(f"  pid {pid} ({name}): {(t - was.get(pid, 0)) / TICKS / dt:.1%}, {r / 2**20:.0f} MiB")
         finally:
             ls.stop(home)
     return 0
