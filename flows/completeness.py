@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
+from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.ops import assemble
 from safepoint.ops.ingest import validate_assembled
 from safepoint.tasks.artifacts import publish_validation_report
@@ -22,6 +23,7 @@ from safepoint.tasks.runner import PrefectSteps
 @flow(name="safepoint-completeness")
 def check_completeness(run: str | None = None, catalog_url: str | None = None) -> list[dict[str, Any]]:
     logger = get_run_logger()
+    route_to_run_logs()
     config = load_config()
     catalog_url = catalog_url or config.catalog_url
     catalog = open_catalog(catalog_url)

@@ -1,24 +1,33 @@
 """The ingest flow: safepoint.ops.ingest, with each step a Prefect task, plus artifacts.
 
 The composition is the library's (the CLI without a flow runs the very same code); this flow
-adds what only Prefect has: tasks with retries in the UI, and markdown/table artifacts.
+adds what only Prefect has: tasks with retries in the UI, markdown/table artifacts, runs named
+`ingest-RUN-STEP`, Safepoint's log lines in the run's logs, and a run state that tells the
+outcome: Completed for a verified checkpoint (or a part delivered and waiting for the others),
+Failed with the verdict as its message for corrupt/invalid/incomplete or a failed replica.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Failed, State
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
 from safepoint.core.errors import FormatError
+from safepoint.core.format import MARKER_NAME, parse_marker
 from safepoint.core.redact import redact
+from safepoint.core.states import BAD_END_STATES
 from safepoint.core.states import CheckpointState as CS
 from safepoint.flows.automations import emit_outcome
 from safepoint.flows.credentials import resolve_destinations
+from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.local.credentials import unseal
+from safepoint.local.snapshot import read_small
 from safepoint.ops.ingest import IngestOutcome, run_ingest
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
@@ -59,15 +68,58 @@ def _report_markdown(out: IngestOutcome, detail: dict[str, Any], ranks: list[dic
     return "\n".join(lines) + "\n"
 
 
-@flow(name="safepoint-ingest", flow_run_name="ingest-{snapshot}", validate_parameters=True)
+def run_name(snapshot: str) -> str:
+    """`ingest-RUN-STEP` from the commit marker (small, checked); the folder's name if it is unreadable."""
+    try:
+        data = read_small(Path(snapshot) / MARKER_NAME)
+        if data is not None:
+            marker = parse_marker(data)
+            return f"ingest-{marker.run}-{marker.step}"
+    except (OSError, FormatError):
+        pass
+    return f"ingest-{Path(snapshot).name or 'snapshot'}"
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return run_name(str(flow_run.parameters.get("snapshot", "")))
+
+
+VERDICTS = frozenset(str(s) for s in BAD_END_STATES)  # verdicts on the checkpoint: exit 1
+
+
+def delivered(result: dict[str, Any]) -> bool:
+    """Pure: the ingest did its whole job: the checkpoint is verified, or this node's part is
+    replicated and the checkpoint waits for the other nodes' parts (no verdict, no failed copy)."""
+    failed = any(str(r["state"]) == "failed" for r in result["replicas"])
+    return result["state"] == str(CS.VERIFIED) or bool(
+        result.get("part") and not failed and result["state"] not in VERDICTS)
+
+
+def run_state(result: dict[str, Any]) -> dict[str, Any] | State:
+    """The flow's return: the result itself (Completed), or Failed carrying it, with a one-line why."""
+    failed = [r for r in result["replicas"] if str(r["state"]) == "failed"]
+    if delivered(result):
+        return result
+    why = redact(result.get("message") or "") or ""
+    if failed and result["state"] not in VERDICTS:
+        why = "; ".join(f"{r['url']}: {r['error'] or 'failed'}" for r in failed)
+    return Failed(message=f"{result['run']}/{result['step']} {result['state']}" + (f": {why}" if why else ""),
+                  data=result)
+
+
+@flow(name="safepoint-ingest", flow_run_name=_flow_run_name, validate_parameters=True)
 def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: str | None = None,
-           event_id: str | None = None, skip_if_verified: bool = False) -> dict:
+           event_id: str | None = None, skip_if_verified: bool = False) -> dict | State:
     """Ingest one committed snapshot folder (or one node's part) into every destination in `to`.
 
     `event_id` ties an event-triggered run to the marker that caused it (safepoint.events);
     `skip_if_verified` turns a duplicate trigger for an already verified commit into a no-op.
     `to` and `catalog_url` carry no secrets: sealed URLs or `block:NAME/prefix` (flows/credentials.py).
+    Called directly, a Failed run raises; `ingest_result` returns its result either way.
     """
+    route_to_run_logs()
     # Parameters name credentials by reference only (safepoint.local.credentials); resolved here, in memory.
     config = load_config()
     to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
@@ -93,5 +145,16 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
             description=f"Safepoint ingest of {out.run}/{out.step}" + (f" (part {detail['part']})"
                                                                       if detail["part"] else ""),
         )
-    return {"run": out.run, "step": out.step, "state": str(out.state), "replicas": out.replicas,
-            "message": out.message}
+    result = {"run": out.run, "step": out.step, "state": str(out.state), "replicas": out.replicas,
+              "message": out.message, "part": detail.get("part")}
+    return run_state(result)
+
+
+def ingest_result(**params: Any) -> dict[str, Any]:
+    """Run the ingest flow and return its result dict whatever the run's state (the CLI turns the
+    state into exit 0/1/2); an exception raised inside the flow is raised here, as a plain call would."""
+    state = ingest(**params, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise result
+    return result

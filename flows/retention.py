@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
+from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.ops.retention import retention_pass
 from safepoint.tasks.runner import PrefectSteps
 
@@ -51,6 +52,7 @@ def retention(
     catalog_url: str | None = None,
 ) -> dict[str, Any]:
     """Prune `runs` (default: every run in the catalog), then evict local copies under `evict_roots`."""
+    route_to_run_logs()
     config = load_config()
     catalog = open_catalog(catalog_url or config.catalog_url)
     result = retention_pass(catalog, config, runs=runs, policy=policy, min_replicas=min_replicas, dry_run=dry_run,

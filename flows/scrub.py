@@ -23,6 +23,7 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.core.verify import VerifyReport
 from safepoint.destinations import open_destination
 from safepoint.flows import fanout
+from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import scrub, steps
 from safepoint.ops.verify import bound_problem
@@ -59,6 +60,7 @@ class FanoutSteps(PrefectSteps):
 @flow(name="safepoint-scrub")
 def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str | None = None) -> dict[str, Any]:
     """Verify slice i of n of every verified replica. `subset`: 'n' rotates, 'i/n' picks slice i (1-based)."""
+    route_to_run_logs()
     config = load_config()
     catalog = open_catalog(catalog_url or config.catalog_url)
     summary = scrub.scrub_pass(catalog, config, subset=subset, run=run, runner=FanoutSteps(config))
@@ -83,6 +85,7 @@ def _merged(answers: list[Any]) -> VerifyReport:
 @flow(name="safepoint-verify-fanout")
 def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]:
     """Verify one (very large) replica URL or local snapshot folder in full, batches fanned out."""
+    route_to_run_logs()
     config = load_config()
     catalog = open_catalog(catalog_url or config.catalog_url)
     size, count = batch_limits(fanout_settings(config))

@@ -6,9 +6,12 @@ here finds or starts the one local Prefect server of its PREFECT_HOME (flows/loc
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,6 +69,42 @@ def test_demo_ends_with_table_and_resume_point_and_cleans_up(fresh_env):
         f"starting a local Prefect server for {env['PREFECT_HOME']} (first use; `safepoint server stop` ends it)"]
 
 
+def flow_runs(api_url: str) -> dict:
+    """The server's flow runs by name: (state type, state message), and each run's log messages."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+        logs = {r.id: [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id])))]
+                for r in runs}
+        return {r.name: (r.state.type.value, r.state.message, logs[r.id]) for r in runs}
+
+
+def test_demo_runs_are_named_and_the_corrupt_one_failed(fresh_env):
+    """In the server the demo used: runs named ingest-RUN-STEP, the corrupt step Failed with its verdict,
+    and Safepoint's own log lines in each run's logs (a run with logs, not 'This run didn't generate logs')."""
+    env, _base = fresh_env
+    state = local_server.read_state(Path(env["PREFECT_HOME"]))
+    runs = flow_runs(state.api_url)
+    assert {"ingest-demo-run-10", "ingest-demo-run-20", "ingest-demo-run-30"} <= set(runs), sorted(runs)
+    kind, message, _logs = runs["ingest-demo-run-30"]
+    assert kind == "FAILED" and message.startswith("demo-run/30 corrupt"), (kind, message)
+    kind, _message, logs = runs["ingest-demo-run-20"]
+    assert kind == "COMPLETED"
+    assert "demo-run/20 ended verified" in logs, logs  # safepoint.ops.ingest's INFO line
+    assert any(line.startswith("Finished in state Completed") for line in logs), logs  # Prefect's own
+
+
+def test_ui_settings_name_the_servers_own_api(fresh_env):
+    """The UI reads its API address from /ui-settings; Prefect's default (port 4200) is not this server."""
+    env, _base = fresh_env
+    state = local_server.read_state(Path(env["PREFECT_HOME"]))
+    with urllib.request.urlopen(f"{state.ui_url}/ui-settings", timeout=10) as r:  # noqa: S310 - loopback
+        assert json.load(r)["api_url"] == state.api_url
+
+
 def test_later_commands_reuse_the_server_concurrently(fresh_env):
     env, base = fresh_env
     before = local_server.read_state(Path(env["PREFECT_HOME"]))
@@ -110,3 +149,29 @@ def test_server_stop_ends_it(fresh_env):
     assert r.returncode == 0 and f"pid {state.pid}" in r.stdout
     assert not local_server.pid_alive(state.pid) and not local_server.healthy(state.api_url, timeout=1)
     assert safepoint(env, "server", "status").returncode == 1
+
+
+def test_an_idle_embedded_server_stops_itself(tmp_path):
+    """Started by `ingest` (not `server start`), the server is gone once no Safepoint client was alive
+    for `idle_stop_s` (here 2 s through SAFEPOINT_SERVER_IDLE_STOP_S): its pid, port and state file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SAFEPOINT_"))}
+    home = tmp_path / "prefect-home"
+    env.update(PREFECT_HOME=str(home), SAFEPOINT_HOME=str(tmp_path / "sp-home"), SAFEPOINT_SERVER_IDLE_STOP_S="2",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    folder = tmp_path / "ck"
+    make_torch_save_ckpt(folder)
+    try:
+        assert safepoint(env, "commit", folder, "--run", "idle", "--step", 1).returncode == 0
+        r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri())
+        assert r.returncode == 0, r.stdout + r.stderr
+        state = local_server.read_state(home)
+        assert state is not None
+        deadline = time.monotonic() + 45  # 2 s idle, a poll of 0.5 s, then the server's own shutdown
+        while local_server.pid_alive(state.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not local_server.pid_alive(state.pid)
+        assert not local_server.healthy(state.api_url, timeout=1)
+        assert local_server.read_state(home) is None
+        assert "no Safepoint client for 2 s" in (home / local_server.LOG_NAME).read_text()
+    finally:
+        local_server.stop(home)

@@ -82,17 +82,20 @@ def check_destinations_here(to: list[str]) -> list[str]:
 
 def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
     """The ingest flow, its parameters free of secrets: credential-bearing URLs go sealed (core.credentials)."""
-    from safepoint.flows.ingest import ingest
+    from safepoint.flows.ingest import ingest_result
     from safepoint.local.credentials import seal
 
-    return ingest(snapshot=str(Path(folder).resolve()), to=[seal(u) or u for u in to], model=model,
+    return ingest_result(snapshot=str(Path(folder).resolve()), to=[seal(u) or u for u in to], model=model,
                   catalog_url=seal(catalog_url))
 
 
-def _ingest_exit(state: str) -> int:
-    if state == "verified":
+def _ingest_exit(result: dict) -> int:
+    """0: verified, or a node's part delivered that waits for the others; 1: a verdict; 2: anything else."""
+    from safepoint.flows.ingest import VERDICTS, delivered
+
+    if delivered(result):
         return EXIT_OK
-    return EXIT_BAD if state in ("corrupt", "invalid", "incomplete") else EXIT_ERROR
+    return EXIT_BAD if result["state"] in VERDICTS else EXIT_ERROR
 
 
 def watch_here(args) -> int:
@@ -133,7 +136,7 @@ def watch_here(args) -> int:
                 continue
             set_aside.pop(folder, None)
             out.print(f"{result['run']}/{result['step']}: {result['state']}")
-            worst = max(worst, _ingest_exit(result["state"]))
+            worst = max(worst, _ingest_exit(result))
         if args.once:
             return worst
         time.sleep(args.interval)

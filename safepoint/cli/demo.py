@@ -68,7 +68,7 @@ STEPS = 8
 
 def _demo(workdir: Path, console: Console, steps: Any) -> int:
     from safepoint.catalog.store import open_catalog
-    from safepoint.flows.ingest import ingest
+    from safepoint.flows.ingest import ingest_result
     from safepoint.local.commit import commit
     from safepoint.rules.resume import resume_point
 
@@ -96,7 +96,7 @@ def _demo(workdir: Path, console: Console, steps: Any) -> int:
 
     for folder in folders:
         steps.next(f"ingesting {folder.name}")
-        result = ingest(snapshot=str(folder), to=[durable.as_uri()], catalog_url=catalog_url)
+        result = ingest_result(snapshot=str(folder), to=[durable.as_uri()], catalog_url=catalog_url)
         if result["state"] == "verified":
             console.print(f"Ingested {folder.name}: [bold]verified[/bold] (copied to durable/, read back with "
                           "every hash matching, and its model and optimizer state loaded cleanly).")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from safepoint.cli.common import (
 )
 from safepoint.cli.console import plain_table
 from safepoint.cli.guard import guarded
-from safepoint.cli.quiet import quiet_prefect
+from safepoint.cli.quiet import console_logging, quiet_prefect
 from safepoint.cli.registry import add_commands, add_global_options
 from safepoint.core.errors import SafepointError, UsageError
 
@@ -87,7 +86,7 @@ def cmd_ingest(args) -> int:
             out.print(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
         if result["state"] != "verified" and result.get("message"):
             out.print(f"  {result['message']}")
-    return _ingest_exit(result["state"])
+    return _ingest_exit(result)
 
 
 def _listing(args) -> list:
@@ -409,8 +408,7 @@ def _prestart_sandbox() -> None:
 def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    console_logging(args.verbose)
     # First: the sandbox's fork server imports torch while Prefect loads (`watch --emit` only sends events).
     if getattr(args, "validates", False) and not getattr(args, "emit", False):
         _prestart_sandbox()

@@ -1,7 +1,8 @@
 """Command group `safepoint server start|stop|status`: the shared local Prefect server (flows/local_server.py).
 
 Commands that run flows start it on first use when PREFECT_API_URL is unset; these commands let a
-user start it ahead of time (e.g. before `watch --emit` and `serve`), check it, and stop it.
+user start it ahead of time (e.g. before `watch --emit` and `serve`), check it, and stop it. One started
+here is pinned: it is not stopped for idleness (`[server] idle_stop_s`) until `server stop`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def cmd_server(args) -> int:
         out.print(f"PREFECT_API_URL is set: Safepoint uses {configured} and starts no local server")
         return EXIT_OK
     if args.action == "start":
-        state = ls.ensure_server(home, ls.startup_timeout_s(), on_start=lambda text: err.print(text))
+        state = ls.ensure_server(home, ls.startup_timeout_s(), on_start=lambda text: err.print(text), pin=True)
     else:
         state = ls.read_state(home)
         if state is None or not ls.pid_alive(state.pid) or not ls.healthy(state.api_url):
