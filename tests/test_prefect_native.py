@@ -76,18 +76,21 @@ def snapshot(base: Path, run: str, step: int) -> Path:
 
 def flow_run_parameters(server: PrefectServer) -> list[dict]:
     from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     async def read() -> list[dict]:
         async with get_client() as c:
             return [r.parameters for r in await c.read_flow_runs()]
 
-    return asyncio.run(read())
+    with temporary_settings({PREFECT_API_URL: server.url}):  # this module's server, whatever ran before
+        return asyncio.run(read())
 
 
-def global_limit(name: str):
+def global_limit(server: PrefectServer, name: str):
     from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with get_client(sync_client=True) as c:
+    with temporary_settings({PREFECT_API_URL: server.url}), get_client(sync_client=True) as c:
         return c.read_global_concurrency_limit_by_name(name)
 
 
@@ -158,7 +161,7 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
     verdicts = {e["resource"]["prefect.resource.id"] for e in events(server, "safepoint.checkpoint.verified")}
     assert {"safepoint.checkpoint.sec.1", "safepoint.checkpoint.sec.2"} <= verdicts
     # The uploads per host were a Prefect global concurrency limit ([limits] uploads_per_host), all released.
-    limit = global_limit(f"safepoint-uploads-{socket.gethostname()}")
+    limit = global_limit(server, f"safepoint-uploads-{socket.gethostname()}")
     assert (limit.limit, limit.active_slots) == (3, 0)
 
 
