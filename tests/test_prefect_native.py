@@ -48,11 +48,17 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client_env(server, monkeypatch, tmp_path):
-    """This process as a client of the module's server (for the Prefect client calls of the test)."""
+    """This process as a client of the module's server (for the Prefect client calls of the test).
+
+    The environment alone is not enough: a session fixture's `prefect_test_harness` holds a settings
+    context naming its own server, and that context wins over the environment in this process."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("SAFEPOINT_HOME", str(tmp_path / "home"))
-    return server
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        yield server
 
 
 def cli_env(server: PrefectServer, home: Path, drop_aws: tuple[str, ...] = ()) -> dict[str, str]:
