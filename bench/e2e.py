@@ -12,15 +12,21 @@ an order that rotates:
   store checks each request's checksum and returns it: no read-back, proof "s3-sha256" / "s3-crc32"),
   against `s5cmd cp 'DIR/*' s3://bench/s5/...`;
   each run on a new checkpoint (made untimed: validation refuses a step identical to the last);
+- **watch** (the steady state of a deployment: a flow fires on the marker): one `safepoint watch ROOT
+  --to s3://bench/w --interval 0.2` runs for the whole benchmark (its first ingest uncounted); each
+  round seals a new checkpoint under ROOT with `safepoint commit` and times from the sealed marker
+  (commit's exit) to the catalog's `ingest.done` of that step, against the same `s5cmd cp` upload;
 - **restore**: `safepoint restore --run R --step S --into OUT --from s3://bench/sp` (fresh process,
   catalog opened, every byte BLAKE3-verified and fsynced; the local copy is gone) against
-  `s5cmd cp 's3://bench/sp/R/S/*' OUT/` of the same objects; the same again for one 1 GiB file (a
-  checkpoint of one shard, run `e2e-1file`, ingested once, untimed). The split of a restore is seen from
-  outside, by polling OUT every 5 ms: *ready* (process start to OUT appearing: interpreter, imports,
-  catalog, plan), *first byte* (OUT appearing to the first byte of a shard on disk), *transfer*
-  (to the last byte on disk), *tail* (to the process's exit: fsync, MANIFEST.json, COMMITTED). The
-  import part of *ready* is measured apart (`import` of the restore command's modules and botocore's
-  client);
+  `s5cmd cp 's3://bench/sp/R/S/*' OUT/` of the same objects, and against `s5cmd cp` followed by
+  `sync OUT/*` (the same bytes made durable, as restore's are: fsync before the rename); the same
+  again for one 1 GiB file (a checkpoint of one shard, run `e2e-1file`, ingested once, untimed).
+  Every restore starts after a `sync`, so no run pays for the dirty pages of the one before. The
+  split of a restore is seen from outside, by polling OUT every 5 ms: *ready* (process start to OUT
+  appearing: interpreter, imports, catalog, plan), *first byte* (OUT appearing to the first byte of
+  a shard on disk), *transfer* (to the last byte on disk), *tail* (to the process's exit: fsync,
+  MANIFEST.json, COMMITTED). The import part of *ready* is measured apart (`import` of the restore
+  command's modules and botocore's client);
 - **ls**: `safepoint ls` on an empty catalog and on this run's catalog (fresh processes, .pyc files
   written as an installed package has them), against `python -c pass`.
 
@@ -49,6 +55,7 @@ MiB = 2**20
 BUCKET = "bench"
 RUN = "e2e"
 SINGLE_RUN = "e2e-1file"
+WATCH_RUN = "e2e-watch"
 
 
 def make_shards(folder: Path, total_mib: int, shards: int, seed: int) -> int:
@@ -114,7 +121,8 @@ def ingest_split(db: Path, walls: dict[int, float]) -> dict[str, list[tuple[floa
 
     out: dict[str, list[tuple[float, float, float, float]]] = {}
     with sqlite3.connect(db) as con:
-        for cid, step in con.execute("SELECT id, step FROM checkpoints"):
+        for cid, step in con.execute("SELECT c.id, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                                     "WHERE r.name = ?", (RUN,)):
             if step not in walls:
                 continue
             ev = [(k, datetime.fromisoformat(at), json.loads(d))
@@ -130,6 +138,25 @@ def ingest_split(db: Path, walls: dict[int, float]) -> dict[str, list[tuple[floa
     return out
 
 
+def ingest_done_at(db: Path, run: str, step: int, timeout: float = 600.0) -> float:
+    """Poll the catalog until (run, step) has its `ingest.done` event; returns when it was seen (perf_counter)."""
+    import sqlite3
+
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        try:
+            with sqlite3.connect(db, timeout=1) as con:
+                hit = con.execute("SELECT 1 FROM events e JOIN checkpoints c ON c.id = e.checkpoint_id "
+                                  "JOIN runs r ON r.id = c.run_id WHERE r.name = ? AND c.step = ? AND "
+                                  "e.kind = 'ingest.done'", (run, step)).fetchone()
+        except sqlite3.Error:
+            hit = None
+        if hit:
+            return time.perf_counter()
+        time.sleep(0.02)
+    sys.exit(f"the watcher did not finish {run}/{step} in {timeout:.0f} s")
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -142,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--ls-runs", type=int, default=5)
     ap.add_argument("--skip-ingest", action="store_true", help="restore and ls only (ingest once, untimed)")
-    ap.add_argument("--lanes", default="sp,sha,crc",
-                    help="ingest lanes to time: sp (read-back), sha, crc (store attests); default all three")
+    ap.add_argument("--lanes", default="sp,sha,crc,watch",
+                    help="ingest lanes to time: sp (read-back), sha, crc (store attests), watch (a running "
+                         "`safepoint watch`); default all four")
     a = ap.parse_args(argv)
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
     print(f"{a.shards} torch.save shards, {a.size_mib} MiB in all, in {work}", flush=True)
     nbytes = 0
-    for d in ("seaweedfs", "sp", "ph", "nvme", "out", "empty"):
+    for d in ("seaweedfs", "sp", "ph", "nvme", "watched", "out", "empty"):
         shutil.rmtree(work / d, ignore_errors=True)
     load0 = os.getloadavg()
     py = sys.executable
@@ -176,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             t.run([*sp, "commit", str(folder), "--run", RUN, "--step", str(step)])
             return folder
 
+        watcher: subprocess.Popen | None = None
         try:
             server_start = t.run([*sp, "server", "start"])["wall"]
             first = new_checkpoint()
@@ -191,6 +220,26 @@ def main(argv: list[str] | None = None) -> int:
             lanes = {"safepoint ingest, read-back": "sp", "safepoint ingest, store attests sha256": "sha",
                      "safepoint ingest, store attests crc32": "crc"}
             lanes = {k: v for k, v in lanes.items() if v in a.lanes.split(",")}
+            watch_lane = "safepoint watch, marker to verified"
+            wstep = 0
+
+            def watched_checkpoint() -> tuple[int, float]:
+                """A new checkpoint sealed under the watched root: (its step, when its marker was sealed)."""
+                nonlocal wstep
+                wstep += 1
+                folder = work / "watched" / f"step-{wstep}"
+                make_shards(folder, a.size_mib, a.shards, seed=20_000 + wstep)
+                t.run([*sp, "commit", str(folder), "--run", WATCH_RUN, "--step", str(wstep)])
+                return wstep, time.perf_counter()
+
+            if "watch" in a.lanes.split(","):
+                (work / "watched").mkdir()
+                watcher = subprocess.Popen([*sp, "watch", str(work / "watched"), "--to", f"s3://{BUCKET}/w",
+                                            "--interval", "0.2"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                           stderr=open(work / "watch.log", "wb"))  # noqa: SIM115
+                s0, _ = watched_checkpoint()
+                ingest_done_at(work / "sp" / "catalog.db", WATCH_RUN, s0)  # its first ingest: uncounted
+                lanes[watch_lane] = "w"
             ing: dict[str, list[float]] = {"s5cmd cp (upload)": [], **{k: [] for k in lanes}}
             steps = [step]
             walls: dict[int, float] = {}
@@ -198,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                 names = list(ing)
                 order = names[rnd % len(names):] + names[:rnd % len(names)]
                 for tool in order:
+                    if tool == watch_lane:
+                        ws, sealed = watched_checkpoint()
+                        w = ingest_done_at(work / "sp" / "catalog.db", WATCH_RUN, ws) - sealed
+                        ing[tool].append(w)
+                        print(f"  ingest round {rnd + 1} {tool:38s} {w:6.2f} s", flush=True)
+                        shutil.rmtree(work / "watched" / f"step-{ws}")
+                        continue
                     folder = new_checkpoint()  # a new one each time (untimed): each ingest is a first
                     if tool.startswith("safepoint"):
                         to = f"s3://{BUCKET}/{lanes[tool]}"
@@ -211,21 +267,29 @@ def main(argv: list[str] | None = None) -> int:
                         walls[step] = w
                     print(f"  ingest round {rnd + 1} {tool:38s} {w:6.2f} s", flush=True)
                     shutil.rmtree(folder)  # the local copy is gone before restores
+            if watcher is not None:  # its scans every 0.2 s would share the cores with the restores
+                watcher.terminate()
+                watcher.wait(timeout=30)
+                watcher = None
             res: dict[str, list[dict[str, float]]] = {"safepoint restore": [], "s5cmd cp (download)": [],
+                                                       "s5cmd cp + sync": [],
                                                        "safepoint restore, 1 file": [],
-                                                       "s5cmd cp (download), 1 file": []}
+                                                       "s5cmd cp (download), 1 file": [],
+                                                       "s5cmd cp + sync, 1 file": []}
             for rnd in range(a.rounds):
                 order = list(res) if rnd % 2 == 0 else list(res)[::-1]
                 for tool in order:
                     run, s, want = ((SINGLE_RUN, 1, single_bytes) if tool.endswith("1 file")
                                     else (RUN, steps[rnd % len(steps)], nbytes))
                     out = work / "out" / f"r{rnd}-{tool.split()[0]}-{run}"
+                    os.sync()  # no run pays for the dirty pages of the one before
                     if tool.startswith("safepoint"):
                         m = t.run([*sp, "restore", "--run", run, "--step", str(s), "--into", str(out),
                                    "--from", f"s3://{BUCKET}/sp"], watch=out, expect=want)
                     else:
                         out.mkdir(parents=True)
-                        m = t.run([*s5, "cp", f"s3://{BUCKET}/sp/{run}/{s}/*", f"{out}/"])
+                        cp = " ".join([*s5, "cp", f"'s3://{BUCKET}/sp/{run}/{s}/*'", f"{out}/"])
+                        m = t.run(["sh", "-c", f"{cp} >/dev/null && sync {out}/*" if "sync" in tool else cp])
                     got = sum(p.stat().st_size for p in out.glob("*.pt"))
                     if got != want:
                         sys.exit(f"{tool} wrote {got} bytes of shards, expected {want}")
@@ -244,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             bare = [t.run([py, "-c", "pass"])["wall"] for _ in range(a.ls_runs)]
             n_ckpt = step + 1  # every checkpoint made was ingested, and the single file
         finally:
+            if watcher is not None:
+                watcher.terminate()
+                watcher.wait(timeout=30)
             subprocess.run([*sp, "server", "stop"], env=env, cwd=ROOT, capture_output=True)
     load1 = os.getloadavg()
 
@@ -262,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         for tool in lanes:
             si = med(ing[tool])
             per_round = med([x / y for x, y in zip(ing[tool], ing["s5cmd cp (upload)"])])
-            print(f"| whole ingest, steady state ({tool.split(', ')[1]}) | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | "
+            what = tool.split(", ")[1] if tool != watch_lane else "a running `safepoint watch`, marker to verified"
+            print(f"| whole ingest, steady state ({what}) | {si:.2f} | `s5cmd cp` upload | {pi:.2f} | "
                   f"{ratio(si, pi)} (per round {per_round:.2f}x) |")
     for what, suffix in (("restore end to end, 8 shards", ""), ("restore end to end, 1 file", ", 1 file")):
         srs = [m["wall"] for m in res["safepoint restore" + suffix]]
@@ -270,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         sr, pr = med(srs), med(prs)
         print(f"| {what} | {sr:.2f} | `s5cmd cp` download | {pr:.2f} | {ratio(sr, pr)} "
               f"(per round {med([x / y for x, y in zip(srs, prs)]):.2f}x) |")
+        dps = [m["wall"] for m in res["s5cmd cp + sync" + suffix]]
+        print(f"| {what} | {sr:.2f} | `s5cmd cp` + `sync OUT/*` (durable) | {med(dps):.2f} | "
+              f"{ratio(sr, med(dps))} (per round {med([x / y for x, y in zip(srs, dps)]):.2f}x) |")
     bp = med(bare)
     print(f"| `safepoint ls`, empty catalog | {med(ls_empty):.3f} | `python -c pass` | {bp:.3f} | "
           f"{ratio(med(ls_empty), bp)} |")
@@ -292,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
               f"catalog, plan, manifest), first byte {first:.2f}, transfer {xfer:.2f} ({size / MiB / xfer:.0f} MiB/s), "
               f"tail {tail:.2f}")
     print("goals: ingest <= 1.25x, restore <= 1.0x, ls <= 0.3 s")
-    for d in ("seaweedfs", "out", "nvme"):
+    for d in ("seaweedfs", "out", "nvme", "watched"):
         shutil.rmtree(work / d, ignore_errors=True)
     return 0
 

@@ -65,3 +65,23 @@ def test_the_cli_exit_code_agrees_with_the_run_state(res, code):
     """Exit 0 exactly when the run is Completed; a Failed run is 1 for a verdict, else 2."""
     assert _ingest_exit(res) == code
     assert (code == 0) == (run_state(res) is res)
+
+
+@pytest.mark.parametrize("env, heartbeat", [
+    ({}, None),                                              # not set: off for the run (no 1 s join at its end)
+    ({"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60"}, 60),       # the user's setting is kept
+    ({"PREFECT_RUNNER_HEARTBEAT_FREQUENCY": "90"}, 90),      # and its legacy name
+])
+def test_an_in_process_ingest_turns_the_heartbeat_off_unless_the_user_set_it(monkeypatch, env, heartbeat):
+    from prefect.settings import Settings, get_current_settings, temporary_settings
+
+    from safepoint.flows.ingest import heartbeat_updates
+
+    for k in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    flows = Settings().flows  # read afresh from the environment, as a new process would
+    with temporary_settings(updates=heartbeat_updates(flows)):
+        assert get_current_settings().flows.heartbeat_frequency == heartbeat
+    assert flows.heartbeat_frequency == (heartbeat or 180)  # Prefect's default stays what it was
