@@ -7,15 +7,14 @@ retrying and runs `map` steps concurrently. Retry settings live here, in one tab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from prefect import Task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from safepoint.ops.leases import LeaseBusy
+from safepoint.tasks.host_slot import host_slot
 from safepoint.tasks.retry import retry_on_infrastructure
 
 T = TypeVar("T")
@@ -60,28 +59,10 @@ class PrefectSteps:
 
     def host_limit(self, name: str, slots: int, wait_s: float) -> Any:
         """One slot of Prefect's global concurrency limit `name` (created or resized to `slots`), which the
-        UI shows; None without a real server (a temporary one forgets it), so the catalog lease serves."""
+        UI shows (tasks.host_slot); None without a real server (a temporary one forgets it), so the
+        catalog lease serves."""
         from prefect.settings import get_current_settings
 
         if not get_current_settings().api.url:
             return None
-        return _global_slot(name, slots, wait_s)
-
-
-@contextmanager
-def _global_slot(name: str, slots: int, wait_s: float) -> Iterator[None]:
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.upsert_global_concurrency_limit_by_name(name, slots)
-        except ObjectAlreadyExists:  # another node created it between Prefect's read and its create
-            client.upsert_global_concurrency_limit_by_name(name, slots)
-    with ExitStack() as held:
-        try:  # only the wait for a slot: a timeout inside the upload is the upload's
-            held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True))
-        except TimeoutError:
-            raise LeaseBusy(f"{name}: all {slots} slots stayed busy for {wait_s:.0f}s") from None
-        yield
+        return host_slot(name, slots, wait_s)

@@ -171,6 +171,33 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
     assert (limit.limit, limit.active_slots) == (3, 0)
 
 
+def test_the_upload_slot_is_prefects_held_renewed_and_released(client_env, monkeypatch):
+    """tasks/host_slot.py: the slot is a lease on Prefect's global limit, renewed while held, freed after;
+    with every slot taken the next one waits as the server says and then gives up with LeaseBusy."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from safepoint.ops.leases import LeaseBusy
+    from safepoint.tasks import host_slot as hs
+
+    server, name = client_env, f"safepoint-uploads-t{uuid.uuid4().hex[:8]}"
+    renewed: list[int] = []
+    real_renew = SyncPrefectClient.renew_concurrency_lease
+    monkeypatch.setattr(SyncPrefectClient, "renew_concurrency_lease",
+                        lambda self, **kw: renewed.append(real_renew(self, **kw).status_code))
+    monkeypatch.setattr(hs, "RENEW_FRACTION", 0.5 / 60)  # every 0.5 s of a 60 s lease
+    with hs.host_slot(name, 1, wait_s=10, lease_s=60):
+        assert (global_limit(server, name).limit, global_limit(server, name).active_slots) == (1, 1)
+        t0 = time.monotonic()
+        with pytest.raises(LeaseBusy, match="all 1 slots stayed busy for 1s"), hs.host_slot(name, 1, wait_s=1.0):
+            pytest.fail("a second holder of a one-slot limit")
+        assert 1.0 <= time.monotonic() - t0 < 6
+        time.sleep(0.6)
+    assert renewed and set(renewed) == {204}
+    assert global_limit(server, name).active_slots == 0
+    with hs.host_slot(name, 2, wait_s=5):  # resized, and free again
+        assert (global_limit(server, name).limit, global_limit(server, name).active_slots) == (2, 1)
+
+
 def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
     """`--to block:NAME/sub`: bucket, folder, keys and endpoint from prefect-aws blocks; no AWS variable set."""
     from prefect_aws import AwsCredentials, S3Bucket
