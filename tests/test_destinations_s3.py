@@ -289,28 +289,42 @@ def test_endless_503_fails_cleanly_and_is_recorded(s3_env, fault_proxy, big_snap
     assert big_snapshot.verify().outcome is CheckpointState.VERIFIED
 
 
+@pytest.mark.parametrize("checksum", ["none", "auto"])
 @pytest.mark.parametrize("times", [1, None])
-def test_bytes_damaged_in_flight_are_never_verified(s3_env, fault_proxy, big_snapshot, sqlite_catalog, times):
-    """A flipped byte on the way up: the read-back catches it; sent again once (then verified) or failed."""
+def test_bytes_damaged_in_flight_are_never_verified(s3_env, fault_proxy, big_snapshot, sqlite_catalog, times,
+                                                    checksum):
+    """A flipped byte on the way up, sent again once (then verified) or every time (never verified).
+    Without a checksum the read-back catches it (corrupt); by default ("auto", CRC32 on SeaweedFS) the
+    store refuses the part as it arrives (BadDigest), and only that part is resent."""
     from safepoint.core.config import Config
     from safepoint.ops import steps
 
     fault = fault_proxy.add(Fault("corrupt", method="PUT", match=r"shard-1\.bin\?.*partNumber=2", where="request",
                                   times=times))
-    url = s3_env.url("flip")
-    config = Config(storage={f"s3://{s3_env.bucket}": {**SMALL_PARTS, **FAST_RETRY,
+    url = s3_env.url(f"flip-{checksum}")
+    config = Config(storage={f"s3://{s3_env.bucket}": {**SMALL_PARTS, **FAST_RETRY, "checksum": checksum,
                                                         "endpoint_url": fault_proxy.endpoint}})
     row = steps.register(sqlite_catalog, big_snapshot)
-    result = steps.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
+    if times is None and checksum == "auto":  # refused at every try: a failure to store, raised and recorded
+        with pytest.raises(DestinationError, match="BadDigest"):
+            steps.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
+        result = None
+    else:
+        result = steps.replicate_to(sqlite_catalog, row.id, big_snapshot, url, config)
     assert fault.hits >= 1
     (rep,) = sqlite_catalog.replicas(row.id)
     direct = open_destination(url)
-    if times == 1:
+    if result is None:
+        assert rep.state is ReplicaState.FAILED and "BadDigest" in rep.error
+        assert fault.hits == FAST_RETRY["retry_attempts"]  # never stored: every try refused as it arrived
+    elif times == 1:
         assert result.state is ReplicaState.VERIFIED and rep.state is ReplicaState.VERIFIED
+        assert rep.proof == ("read-back" if checksum == "none" else "s3-crc32")
         assert verify_replica(direct, "big", 7).outcome is CheckpointState.VERIFIED
     else:
         assert result.state is ReplicaState.CORRUPT and rep.state is ReplicaState.CORRUPT
         assert result.remote["shard-1.bin"] is FileStatus.HASH_MISMATCH
+    if times is None:
         assert direct.read_control("big", 7, MARKER_NAME) is None
 
 
@@ -380,6 +394,21 @@ def test_options_split_and_map():
     with pytest.raises(UsageError):
         split_options({"checksum": "MD5"})
     assert parse_s3_url("s3://b/p/q/") == ("b", "p/q") and parse_s3_url("s3://b") == ("b", "")
+
+
+@pytest.mark.parametrize("given, expected", [
+    (..., "AUTO"), ("auto", "AUTO"), ("crc32", "CRC32"), ("SHA256", "SHA256"), (" sha256 ", "SHA256"),
+    ("none", None), ("off", None), ("", None), (False, None), (None, None),
+])
+def test_the_checksum_option(given, expected):
+    """Absent: "auto" (CRC32 where the store checks it); "none", "off", false: nothing sent, read back."""
+    tuning, _ = split_options({} if given is ... else {"checksum": given})
+    assert tuning.checksum == expected
+
+
+def test_streamed_puts_turn_the_automatic_checksum_off():
+    assert split_options({"stream_put_max": 64 * MiB})[0].checksum is None  # a streamed PUT carries none
+    assert split_options({"stream_put_max": 64 * MiB, "checksum": "CRC32"})[0].checksum == "CRC32"
 
 
 def test_retry_policy_is_bounded_and_classifies():

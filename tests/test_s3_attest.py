@@ -1,6 +1,7 @@
-"""A replica attested by the store: with `checksum = "SHA256"`, S3 checks each request's SHA-256 as
-the bytes arrive and returns it with HeadObject, so the upload needs no read-back (proof "s3-sha256");
-where the store has nothing to show, every byte is read back as before (proof "read-back").
+"""A replica attested by the store: S3 checks each request's checksum (CRC32 by default, or
+`checksum = "SHA256"`) as the bytes arrive and returns it with HeadObject, so the upload needs no
+read-back (proof "s3-crc32", "s3-sha256"); with `checksum = "none"`, or where the store has nothing
+to show, every byte is read back as before (proof "read-back").
 Against a real SeaweedFS (what it honours: bench/s3_checksums.py)."""
 
 from __future__ import annotations
@@ -71,12 +72,31 @@ def test_a_checksum_checked_by_the_store_stands_for_the_read_back(s3_env, snapsh
     assert head[f"Checksum{algo}"].endswith("-3")  # composite, over the 3 parts
 
 
-def test_without_a_checksum_every_byte_is_read_back(s3_env, snapshot):
-    dest = s3dest(s3_env, "plain")
+def test_by_default_the_store_attests_crc32(s3_env, snapshot):
+    """No `checksum` set: SeaweedFS refuses a wrong CRC32, so CRC32 goes with every request and no byte
+    is read back."""
+    dest = s3dest(s3_env, "auto")
+    assert dest.tuning.checksum == "AUTO"
+    asked = no_read_back(dest)
+    result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED, result.error
+    assert asked == [] and result.proof == "s3-crc32"
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, ChecksumMode="ENABLED",
+                                              Key=s3_env.key("auto/att/3/big.bin"))
+    assert head["ChecksumCRC32"].endswith("-3")
+
+
+@pytest.mark.parametrize("off", ["none", "off", False])
+def test_without_a_checksum_every_byte_is_read_back(s3_env, snapshot, off):
+    dest = s3dest(s3_env, "plain", checksum=off)
+    assert dest.tuning.checksum is None
     result = replicate(snapshot, dest)
     assert result.state is ReplicaState.VERIFIED, result.error
     assert result.proof == "read-back"
-    other = s3dest(s3_env, "plain2")
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, ChecksumMode="ENABLED",
+                                              Key=s3_env.key("plain/att/3/big.bin"))
+    assert not any(k.startswith("Checksum") and k != "ChecksumType" for k in head)  # nothing was sent
+    other = s3dest(s3_env, "plain2", checksum=off)
     asked = no_read_back(other)
     assert replicate(snapshot, other).state is ReplicaState.CORRUPT  # the (sabotaged) read-back decided
     assert sorted(asked) == ["big.bin", "meta.json", "mid.bin"]
@@ -106,11 +126,13 @@ def test_attest_is_only_for_what_this_destination_just_uploaded(s3_env, snapshot
 def test_the_catalog_records_each_replicas_proof(s3_env, snapshot, tmp_path):
     catalog = open_catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
     row = register(catalog, snapshot)
-    config = Config(storage={s3_env.url("cat-sha"): {**PARTS, "checksum": "SHA256"}, s3_env.url("cat-plain"): PARTS})
-    for url in (s3_env.url("cat-sha"), s3_env.url("cat-plain")):
+    config = Config(storage={s3_env.url("cat-sha"): {**PARTS, "checksum": "SHA256"}, s3_env.url("cat-auto"): PARTS,
+                             s3_env.url("cat-plain"): {**PARTS, "checksum": "none"}})
+    for url in (s3_env.url("cat-sha"), s3_env.url("cat-auto"), s3_env.url("cat-plain")):
         assert replicate_to(catalog, row.id, snapshot, url, config).state is ReplicaState.VERIFIED
     proofs = {r.destination: (r.state, r.proof) for r in catalog.replicas(row.id)}
     assert proofs == {s3_env.url("cat-sha"): (ReplicaState.VERIFIED, "s3-sha256"),
+                      s3_env.url("cat-auto"): (ReplicaState.VERIFIED, "s3-crc32"),
                       s3_env.url("cat-plain"): (ReplicaState.VERIFIED, "read-back")}
     sha_url = next(r.url for r in catalog.replicas(row.id) if r.destination == s3_env.url("cat-sha"))
     catalog.set_replica(row.id, sha_url, s3_env.url("cat-sha"), ReplicaState.CORRUPT, error="rot")
@@ -142,3 +164,41 @@ def test_a_store_that_does_not_refuse_a_wrong_checksum_is_read_back(s3_env, snap
     dest = s3dest(s3_env, "lax", checksum="SHA256")
     result = replicate(snapshot, dest)
     assert result.state is ReplicaState.VERIFIED and result.proof == "read-back"
+
+
+def test_auto_sends_nothing_to_a_store_that_does_not_refuse_and_says_so_quietly(s3_env, snapshot, monkeypatch,
+                                                                                caplog):
+    """"auto" on a lax store: no checksum goes out (a store that cannot take one is not troubled with
+    it), every byte is read back, and the log says so at INFO (nobody asked for a checksum)."""
+    from safepoint.destinations import s3
+
+    monkeypatch.setattr(s3, "_checks", {})
+    monkeypatch.setattr(S3Destination, "_refuses", lambda self, call, created: False)
+    dest = s3dest(s3_env, "lax-auto")
+    with caplog.at_level("INFO", logger="safepoint.destinations.s3"):
+        result = replicate(snapshot, dest)
+    assert result.state is ReplicaState.VERIFIED and result.proof == "read-back"
+    head = s3_env.server.client().head_object(Bucket=s3_env.bucket, ChecksumMode="ENABLED",
+                                              Key=s3_env.key("lax-auto/att/3/big.bin"))
+    assert "ChecksumCRC32" not in head  # SeaweedFS keeps what a multipart upload was sent: nothing
+    said = [r for r in caplog.records if "does not refuse a wrong CRC32" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO"
+
+
+def test_a_store_that_gives_no_answer_is_read_back_and_asked_again(s3_env, snapshot, monkeypatch):
+    """A 503 or a reset on the probe is no verdict: that upload is read back, and the next one asks again."""
+    from safepoint.destinations import s3
+
+    monkeypatch.setattr(s3, "_checks", {})
+    answers = iter([None, True, True])
+    asked: list[bool] = []
+
+    def refuses(self, call, created):
+        asked.append(True)
+        return next(answers)
+
+    monkeypatch.setattr(S3Destination, "_refuses", refuses)
+    dest = s3dest(s3_env, "flaky")
+    assert dest._algorithm() is None and s3._checks == {}  # no answer: nothing sent, nothing remembered
+    assert dest._algorithm() == "CRC32"  # asked again: refused on the PUT and on the part
+    assert dest._algorithm() == "CRC32" and len(asked) == 3  # then remembered for the process

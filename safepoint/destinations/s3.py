@@ -11,14 +11,14 @@ The data path, per file (docs/format.md, "Replica layout"):
 - `digest()` reads the object back with parallel ranged GETs, pinned to one version with
   `If-Match`, and BLAKE3-hashes it in order. That read-back is the verification; an ETag is never
   taken for a content hash;
-- with `checksum="SHA256"` (or `"CRC32"`), every request also carries that checksum of the very
-  buffer the upload BLAKE3-hashed, which the store checks on arrival (it refuses a wrong one:
-  bench/s3_checksums.py). `attest()` then reads the object's stored checksum (full, or composite
-  over the parts) with one HeadObject; when it is the one sent, the replica needs no read-back
-  (proof "s3-sha256" or "s3-crc32"). That holds only for a store that checks what arrives: once
-  per process and store, a tiny PUT and a part with a wrong checksum must both be refused, or
-  nothing is attested there. A store that keeps no checksum answers nothing; either way the
-  object is read back as always;
+- every request also carries a checksum of the very buffer the upload BLAKE3-hashed (by default
+  CRC32, on a store seen to check it; `checksum = "SHA256"` or `"none"` in the settings), which the
+  store checks on arrival (it refuses a wrong one: bench/s3_checksums.py). `attest()` then reads
+  the object's stored checksum (full, or composite over the parts) with one HeadObject; when it is
+  the one sent, the replica needs no read-back (proof "s3-crc32" or "s3-sha256"). That holds only
+  for a store that checks what arrives: once per process and store, a tiny PUT and a part with a
+  wrong checksum must both be refused, or nothing is attested there. A store that keeps no
+  checksum answers nothing; either way the object is read back as always;
 - `MANIFEST.json`, then `COMMITTED` are written last, `COMMITTED` with `If-None-Match: *`, so only
   one writer can commit a replica. Multipart uploads left behind by an interrupted run (kill -9,
   a network that went away) are aborted before the manifest is written, and before a file's new
@@ -275,12 +275,20 @@ class S3Destination(Destination):
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         key = self._key(run, step, entry.path)
-        self._remember(key, None)  # what an earlier upload of this key implied holds no more
+        self._remember(key, None, None)  # what an earlier upload of this key implied holds no more
+        algo = self._algorithm()
         if entry.size <= max(self.tuning.part_size, SMALL):
-            return self._upload_single(key, entry, source)
-        if entry.size <= self.tuning.stream_put_max and not self.tuning.checksum:
+            return self._upload_single(key, entry, source, algo)
+        if entry.size <= self.tuning.stream_put_max and not algo:
             return self._upload_streamed(key, entry, source)
-        return self._upload_multipart(key, entry, source)
+        return self._upload_multipart(key, entry, source, algo)
+
+    def _algorithm(self) -> str | None:
+        """The checksum to send: the one asked for, or for "auto" CRC32 where the store is seen to
+        refuse a wrong one (asked once per process and store), else none (the replica is read back)."""
+        if self.tuning.checksum != "AUTO":
+            return self.tuning.checksum
+        return "CRC32" if self._store_checks("CRC32") else None
 
     def _upload_streamed(self, key: str, entry: FileEntry, source: Path) -> str:
         """One PUT streamed from the file through one pooled buffer (see _StreamBody)."""
@@ -320,11 +328,11 @@ class S3Destination(Destination):
                 raise _LocalChanged
             got += n
 
-    def _checksum(self, data: memoryview | bytes) -> dict[str, str]:
-        algo = self.tuning.checksum
+    @staticmethod
+    def _checksum(data: memoryview | bytes, algo: str | None) -> dict[str, str]:
         return {} if algo is None else {_FIELD[algo]: base64.b64encode(_RAW[algo](data)).decode()}
 
-    def _upload_single(self, key: str, entry: FileEntry, source: Path) -> str:
+    def _upload_single(self, key: str, entry: FileEntry, source: Path, algo: str | None) -> str:
         hasher = new_hasher(0)
         fd = os.open(source, os.O_RDONLY)
         buf = None
@@ -342,25 +350,25 @@ class S3Destination(Destination):
                 hasher.update(view)
                 body = buf if entry.size == len(buf) else bytearray(view)
             digest = hasher.hexdigest()
-            params = {"Bucket": self.bucket, "Key": key, "Body": body, **self._checksum(memoryview(body)),
+            params = {"Bucket": self.bucket, "Key": key, "Body": body, **self._checksum(memoryview(body), algo),
                       **self._settings.extra_put}
             try:
                 self._call("put_object", f"PUT {self._where(key)}", **params)
             except _client_error() as e:
                 raise self._fail(e, f"PUT {self._where(key)}") from e
-            self._remember(key, params.get(_FIELD.get(self.tuning.checksum or "", "")))
+            self._remember(key, algo, params.get(_FIELD.get(algo or "", "")))
             return digest
         finally:
             os.close(fd)
             if buf is not None:
                 self.pool.release(buf)
 
-    def _upload_multipart(self, key: str, entry: FileEntry, source: Path) -> str:
+    def _upload_multipart(self, key: str, entry: FileEntry, source: Path, algo: str | None) -> str:
         where = self._where(key)
         self._abort_uploads(key, exact=True)  # a leftover of an interrupted run of this very file
         create = {"Bucket": self.bucket, "Key": key, **self._settings.extra_put}
-        if self.tuning.checksum:
-            create["ChecksumAlgorithm"] = self.tuning.checksum
+        if algo:
+            create["ChecksumAlgorithm"] = algo
         try:
             upload_id = self._call("create_multipart_upload", f"start upload {where}", **create)["UploadId"]
         except _client_error() as e:
@@ -380,14 +388,14 @@ class S3Destination(Destination):
                     self._read_exact(fd, view, offset)
                     hasher.update(view)
                     body = buf if length == len(buf) else bytearray(view)
-                    extra = self._checksum(view)
+                    extra = self._checksum(view, algo)
                 except BaseException:
                     self.pool.release(buf)
                     raise
                 futures.append((executor.submit(self._send_part, key, upload_id, number, buf, body, extra), buf))
             parts = [f.result() for f, _ in futures]  # the first failure raises here
             digest = hasher.hexdigest()
-            composite = _composite(self.tuning.checksum, parts)
+            composite = _composite(algo, parts)
             try:
                 self._call("complete_multipart_upload", f"complete upload {where}", Bucket=self.bucket, Key=key,
                            UploadId=upload_id, MultipartUpload={"Parts": parts})
@@ -398,7 +406,7 @@ class S3Destination(Destination):
                 if head is None or int(head["ContentLength"]) != entry.size:
                     raise self._fail(e, f"complete upload {where}") from e
             completed = True
-            self._remember(key, composite)
+            self._remember(key, algo, composite)
             return digest
         except _LocalChanged:
             return hasher.hexdigest()  # shorter than the manifest says: changed, never stored
@@ -424,10 +432,10 @@ class S3Destination(Destination):
             self.pool.release(buf)
         return {"PartNumber": number, "ETag": r["ETag"], **extra}
 
-    def _remember(self, key: str, stored: str | None) -> None:
+    def _remember(self, key: str, algo: str | None, stored: str | None) -> None:
         with self._lock:
-            if stored and self.tuning.checksum:
-                self._sent[key] = (self.tuning.checksum, stored)
+            if stored and algo:
+                self._sent[key] = (algo, stored)
             else:
                 self._sent.pop(key, None)
 
@@ -451,15 +459,19 @@ class S3Destination(Destination):
         """Whether this store refuses a wrong `algo` checksum on a PUT and on a part (asked once per process).
 
         A store that kept whatever checksum it was sent, unchecked, would make attest() vouch for
-        bytes nobody compared; this asks it to take a wrong one, and only a refusal counts.
+        bytes nobody compared; this asks it to take a wrong one, and only a refusal counts. A store
+        that gave no answer (a 503, a reset) is read back this time and asked again next time.
         """
         ident = (str(self.client.meta.endpoint_url), self.bucket, algo)
         with _checks_lock:  # held while asking: the files uploaded in parallel wait for one answer
             if ident not in _checks:
-                _checks[ident] = self._ask_store(algo)
+                answer = self._ask_store(algo)
+                if answer is None:
+                    return False
+                _checks[ident] = answer
             return _checks[ident]
 
-    def _ask_store(self, algo: str) -> bool:
+    def _ask_store(self, algo: str) -> bool | None:
         key = "/".join(p for p in (self.prefix, f".safepoint-checksum-probe-{os.getpid()}-{threading.get_ident()}")
                        if p)
         wrong = {_FIELD[algo]: base64.b64encode(_RAW[algo](b"not the body")).decode()}
@@ -475,22 +487,29 @@ class S3Destination(Destination):
                     Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"body", **wrong), None)
             except Exception as e:  # noqa: BLE001 - a store that cannot even say: read back
                 log.info("%s: could not ask whether it checks %s on parts: %s", self.url, algo, retry.describe(e))
-                checks = False
+                checks = None if retry.is_retryable(e) else False
             finally:
                 if upload_id is not None:
                     self._abort(key, upload_id)
-        if not checks:
-            log.warning("%s does not refuse a wrong %s checksum: its replicas are read back, not attested",
-                        self.url, algo)
+        if checks is None:
+            log.info("%s gave no answer on whether it checks %s: read back, and asked again later", self.url, algo)
+        elif not checks:  # a warning where the checksum was asked for; "auto" just reads back
+            log.log(logging.INFO if self.tuning.checksum == "AUTO" else logging.WARNING,
+                    "%s does not refuse a wrong %s checksum: its replicas are read back, not attested",
+                    self.url, algo)
         return checks
 
-    def _refuses(self, call: Callable[[], Any], created: str | None) -> bool:
+    def _refuses(self, call: Callable[[], Any], created: str | None) -> bool | None:
+        """True: the store refused the call's wrong checksum; False: it took it (or cannot take a
+        checksum at all); None: no answer (an error worth another try)."""
         try:
             call()
         except _client_error() as e:
-            return _code(e) in REFUSED
-        except Exception:  # noqa: BLE001 - no answer is no refusal
-            return False
+            if _code(e) in REFUSED:
+                return True
+            return None if retry.is_retryable(e) else False
+        except Exception as e:  # noqa: BLE001 - no answer is no refusal
+            return None if retry.is_retryable(e) else False
         if created is not None:  # accepted: it kept an object we never wanted
             try:
                 self.client.delete_object(Bucket=self.bucket, Key=created)

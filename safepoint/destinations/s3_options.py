@@ -17,11 +17,14 @@ Safepoint's own tuning keys (removed before the rest goes to s3fs):
 - `max_parts_in_flight` (8): parts being read, hashed, sent or read back at once, per
   destination; memory is bounded by this times `part_size`.
 - `read_window` (4): ranged GETs in flight per object during read-back.
-- `checksum` (none): `"SHA256"` or `"CRC32"` also sends that checksum with every request, which
-  the server validates: it catches damage in flight early, and where the store returns it
-  (HeadObject), it stands for the read-back of the replica (S3Destination.attest). SHA-256 costs
-  about 1.3 s of CPU per GiB on each end (measured on this project's machines); CRC32 (32 bits:
-  for damage, not for an adversary) about a quarter of that.
+- `checksum` (`"auto"`): the checksum sent with every PUT and part, which the server validates as
+  the bytes arrive; where the store returns it (HeadObject), it stands for the read-back of the
+  replica (S3Destination.attest). `"auto"` sends CRC32 to a store seen to refuse a wrong one (asked
+  once per process and store) and nothing elsewhere, where every byte is then read back. `"CRC32"`
+  or `"SHA256"` always send that one (a store that takes a wrong one unchecked is still read back);
+  `"none"` sends nothing and always reads back. SHA-256 costs about 1.3 s of CPU per GiB on each end
+  (measured on this project's machines); CRC32 (32 bits: for damage, not for an adversary) about a
+  quarter of that, and is what AWS's SDKs send by default since 2025.
 - `sign_payload` (false): sign the body's SHA-256 on plain http (a second pass over every byte).
 - `retry_attempts` (8), `retry_base_s` (0.2), `retry_cap_s` (10): tries per request before the
   replica fails, and the backoff (base * 2**n, capped, full jitter).
@@ -30,7 +33,8 @@ Safepoint's own tuning keys (removed before the rest goes to s3fs):
 - `stream_put_max` (0: off): files larger than `part_size` and up to this size go as one PUT
   streamed from the file through one buffer, instead of a multipart upload. SeaweedFS spends
   about 6% less CPU per byte on a plain PUT (measured: 10.5 against 11.2 s/GiB); a failed
-  request is resent whole, so keep it moderate (e.g. 128 MiB). Not with `checksum`.
+  request is resent whole, so keep it moderate (e.g. 128 MiB). Such a PUT carries no checksum: with
+  `stream_put_max` set, `checksum` defaults to `"none"` (read back), and an explicit one wins over it.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class Tuning:
     part_size: int = 32 * MiB
     max_parts_in_flight: int = 8
     read_window: int = 4
-    checksum: str | None = None
+    checksum: str | None = "AUTO"  # "AUTO", "CRC32", "SHA256" or None (see `checksum` above)
     sign_payload: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     connect_timeout: float = 10.0
@@ -85,7 +89,8 @@ def split_options(options: dict[str, Any] | None) -> tuple[Tuning, dict[str, Any
             part_size=part,
             max_parts_in_flight=int(mine.get("max_parts_in_flight", 8)),
             read_window=int(mine.get("read_window", 4)),
-            checksum=(str(mine["checksum"]).upper() if mine.get("checksum") else None),
+            # Streamed PUTs carry no checksum: asking for them (stream_put_max) turns "auto" off.
+            checksum=_checksum_option(mine.get("checksum", "none" if int(mine.get("stream_put_max", 0)) else "auto")),
             sign_payload=bool(mine.get("sign_payload", False)),
             retry=RetryPolicy(attempts=int(mine.get("retry_attempts", 8)),
                               base_s=float(mine.get("retry_base_s", 0.2)),
@@ -100,13 +105,20 @@ def split_options(options: dict[str, Any] | None) -> tuple[Tuning, dict[str, Any
         raise UsageError(f"part_size must be between {MIN_PART} and {MAX_PART} bytes")
     if tuning.max_parts_in_flight < 1 or tuning.read_window < 1 or tuning.retry.attempts < 1:
         raise UsageError("max_parts_in_flight, read_window and retry_attempts must be at least 1")
-    if tuning.checksum not in (None, "SHA256", "CRC32"):
-        raise UsageError("checksum must be SHA256 or CRC32 (or absent)")
+    if tuning.checksum not in (None, "AUTO", "SHA256", "CRC32"):
+        raise UsageError('checksum must be "auto", "CRC32", "SHA256" or "none"')
     # s3fs takes timeouts through botocore's Config only: hand them on for `S3Destination.fs`.
     if "connect_timeout" in mine or "read_timeout" in mine:
         opts["config_kwargs"] = {"connect_timeout": tuning.connect_timeout, "read_timeout": tuning.read_timeout,
                                  **(opts.get("config_kwargs") or {})}
     return tuning, opts
+
+
+def _checksum_option(value: Any) -> str | None:
+    """The `checksum` option, normalised: None (nothing sent) for "none", "off", false or empty."""
+    if value is None or value is False or str(value).strip().lower() in ("", "none", "off", "false"):
+        return None
+    return str(value).strip().upper()
 
 
 def client_settings(fs_options: dict[str, Any], tuning: Tuning) -> ClientSettings:
@@ -132,8 +144,8 @@ def client_settings(fs_options: dict[str, Any], tuning: Tuning) -> ClientSetting
         "connect_timeout": tuning.connect_timeout,
         "read_timeout": tuning.read_timeout,  # a stalled transfer fails after this long, and is retried
         "tcp_keepalive": True,
-        # Checksums only when asked (`checksum`) or when an operation requires one: Safepoint's
-        # BLAKE3 read-back is the proof, a default CRC32 would be one more pass over every byte.
+        # Checksums are Safepoint's to send (`checksum`, of the very buffer it BLAKE3-hashed), or
+        # botocore's only where an operation requires one: its own would be one more pass per byte.
         "request_checksum_calculation": "when_required",
         "response_checksum_validation": "when_required",
         # On plain http botocore would SHA-256 every body a second time just to sign it.

@@ -40,7 +40,9 @@ pytestmark = [
 ]
 
 MiB = 1024 * 1024
-TUNING = {"part_size": 5 * MiB, "max_parts_in_flight": 2, "read_window": 2,
+# No checksum: these cases are about the read-back too (the default, CRC32 attested by SeaweedFS,
+# reads nothing back at ingest; ATTESTED below runs the upload faults that way).
+TUNING = {"part_size": 5 * MiB, "max_parts_in_flight": 2, "read_window": 2, "checksum": "none",
           "retry_attempts": 6, "retry_base_s": 0.02, "retry_cap_s": 0.2, "read_timeout": 1, "connect_timeout": 2}
 
 
@@ -57,8 +59,8 @@ def snap_folder(tmp_path, template):
     return folder
 
 
-def _config(s3_env, endpoint: str | None = None) -> Config:
-    opts = dict(TUNING)
+def _config(s3_env, endpoint: str | None = None, checksum: str = "none") -> Config:
+    opts = {**TUNING, "checksum": checksum}
     if endpoint:
         opts["endpoint_url"] = endpoint
     return Config(storage={f"s3://{s3_env.bucket}": opts})
@@ -119,15 +121,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, faults, expect", CASES, ids=[c[0] for c in CASES])
-def test_s3_fault(name, faults, expect, s3_env, fault_proxy, snap_folder, sqlite_catalog):
+# The upload faults again with the default checksum ("auto": CRC32, which SeaweedFS checks).
+ATTESTED = [c for c in CASES if c[0] in ("reset during a part upload", "503 storm on uploads",
+                                         "endless 503 on uploads", "bytes flipped on the way up, every time")]
+
+
+@pytest.mark.parametrize("name, faults, expect, checksum",
+                         [(*c, "none") for c in CASES] + [(*c, "auto") for c in ATTESTED],
+                         ids=[c[0] for c in CASES] + [f"{c[0]}, attested" for c in ATTESTED])
+def test_s3_fault(name, faults, expect, checksum, s3_env, fault_proxy, snap_folder, sqlite_catalog):
     from tests.faultproxy import Fault
 
-    sub = "f" + str(abs(hash(name)) % 10**8)
+    sub = "f" + str(abs(hash((name, checksum))) % 10**8)
     url = s3_env.url(sub)
     added = [fault_proxy.add(Fault(**f)) for f in faults]
     t0 = time.perf_counter()
-    out = pipeline.ingest(snap_folder, [url], sqlite_catalog, _config(s3_env, fault_proxy.endpoint))
+    out = pipeline.ingest(snap_folder, [url], sqlite_catalog, _config(s3_env, fault_proxy.endpoint, checksum))
     seconds = time.perf_counter() - t0
     assert any(f.hits for f in added), f"{name}: the fault never fired: {[(f.kind, f.hits) for f in added]}"
     row = sqlite_catalog.get("s3f", 1)
@@ -147,12 +156,18 @@ def test_s3_fault(name, faults, expect, s3_env, fault_proxy, snap_folder, sqlite
         assert str(out.state) == ("verified" if expect == "verified" else "committed"), (name, out)
     # The fault gone, the same ingest resumes and ends verified, reusing what verifies.
     fault_proxy.clear()
-    again = pipeline.ingest(snap_folder, [url], sqlite_catalog, _config(s3_env, fault_proxy.endpoint))
+    again = pipeline.ingest(snap_folder, [url], sqlite_catalog, _config(s3_env, fault_proxy.endpoint, checksum))
     assert again.state is CS.VERIFIED, again
     assert _direct_verify(s3_env, sub).outcome is CS.VERIFIED
     assert _keys(s3_env, sub) == sorted(files + [MANIFEST_NAME, MARKER_NAME])
     assert len(sqlite_catalog.replicas(row.id)) == 1
-    figures(f"S3 fault: {name}", outcome=str(out.state), replica=str(reps[0].state),
+    if checksum == "auto" and out.state is CS.VERIFIED:
+        # Faults aimed at one object leave the store's answer to the probe alone: all attested. A storm
+        # on every PUT also meets the probe: no answer, so those files are read back (and it asks again).
+        proofs = set(reps[0].proof.split("+"))
+        assert proofs == {"s3-crc32"} if all(f.get("match") for f in faults) else proofs <= {"s3-crc32", "read-back"}
+    figures(f"S3 fault: {name}{', attested' if checksum == 'auto' else ''}", outcome=str(out.state),
+            replica=str(reps[0].state),
             hits=sum(f.hits for f in added), seconds=round(seconds, 2), falsely_verified=0, duplicated=0)
 
 
