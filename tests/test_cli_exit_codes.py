@@ -7,6 +7,11 @@ stderr holds exactly one line and no traceback; with `-v` the traceback is there
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 import safepoint.cli.main as cli
@@ -145,3 +150,39 @@ def test_reader_gone_is_quiet_141_but_a_broken_socket_is_an_error(tmp_path, caps
 
     assert guarded(socket_broke, verbose=False, stderr=sys.stderr) == 2  # captured stdout: not a pipe
     assert "BrokenPipeError" in capsys.readouterr().err
+
+
+def _exit_now_child(body: str, tmp_path) -> subprocess.CompletedProcess:
+    code = ("import atexit, sys, threading\nfrom safepoint.cli.guard import exit_now\n"
+            "atexit.register(lambda: print('exit handler ran'))\n" + body)
+    env = {**os.environ, "SAFEPOINT_HOME": str(tmp_path / "home")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_exit_now_keeps_the_code_the_output_and_the_exit_handlers(tmp_path):
+    """The fast end of a finished command: what it printed to a pipe (still in Python's buffer)
+    arrives whole, the exit handlers run, the exit code is the command's."""
+    p = _exit_now_child("sys.stdout.write('x' * 200_000)\nexit_now(3)\nprint('not reached')", tmp_path)
+    assert p.returncode == 3
+    assert p.stdout == "x" * 200_000 + "exit handler ran\n"
+
+
+@pytest.mark.parametrize("setup", [
+    "threading.Thread(target=__import__('time').sleep, args=(0.5,)).start()",  # the interpreter would wait for it
+    "sys.modules['prefect'] = sys",                                            # Prefect's services end their own way
+])
+def test_exit_now_returns_where_a_full_teardown_is_needed(setup, tmp_path):
+    p = _exit_now_child(f"{setup}\nexit_now(3)\nprint('returned')\nsys.exit(4)", tmp_path)
+    assert p.returncode == 4
+    assert p.stdout == "returned\nexit handler ran\n"
+
+
+def test_the_command_line_exits_fast_with_its_own_code(tmp_path):
+    """`python -m safepoint.cli` ends through exit_now: the code and the output are the command's."""
+    env = {**os.environ, "SAFEPOINT_HOME": str(tmp_path / "home")}
+    ok = subprocess.run([sys.executable, "-m", "safepoint.cli", "ls", "--json"], capture_output=True, text=True,
+                        env=env, timeout=120)
+    assert (ok.returncode, json.loads(ok.stdout)) == (0, [])
+    bad = subprocess.run([sys.executable, "-m", "safepoint.cli", "verify", str(tmp_path / "nothing-here")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("safepoint: error: "), bad.stderr

@@ -9,8 +9,10 @@ under `-v`.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import TextIO
@@ -74,3 +76,29 @@ def stdout_closed() -> bool:
         return any(ev & select.POLLERR for _fd, ev in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # no real stdout (captured): not ours to judge
         return False
+
+
+def exit_now(code: int) -> None:
+    """End a finished command's process without the interpreter's teardown; return where one is needed.
+
+    Freeing what a command loaded costs more than many commands' own work: after one botocore S3
+    client, the interpreter's teardown takes 0.15 s of CPU (measured: a restore's whole tail), while
+    a process that has nothing left to do needs only its exit handlers and its output flushed. So:
+    exit handlers (logging's flush among them), stdout and stderr flushed, then `os._exit(code)`.
+    Not in a process that loaded Prefect (its services stop in their own order) or that still runs a
+    non-daemon thread (the interpreter would wait for it): those return and exit the usual way.
+    Files are never left half-written: every write of Safepoint's is closed (and fsynced) where it
+    is made, and the catalog commits each transaction.
+    """
+    if "prefect" in sys.modules or any(t.is_alive() and not t.daemon and t is not threading.main_thread()
+                                       for t in threading.enumerate()):
+        return
+    atexit._run_exitfuncs()  # what the interpreter runs first at exit: every registered handler
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # the reader went away (`safepoint ls | head`): as guarded() reports it
+            code = EXIT_PIPE_CLOSED if stream is sys.stdout else code
+        except (OSError, ValueError):  # closed or gone: nothing more can be said there
+            pass
+    os._exit(code)

@@ -25,7 +25,7 @@ from safepoint.cli.common import (
     watch_here,
 )
 from safepoint.cli.console import plain_table
-from safepoint.cli.guard import guarded
+from safepoint.cli.guard import exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
 from safepoint.cli.registry import add_commands, add_global_options
 from safepoint.core.errors import SafepointError, UsageError
@@ -392,7 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(argv) if argv is not None else sys.argv[1:]
     verbose = "-v" in words or "--verbose" in words
     quiet_prefect(verbose)
-    return guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
+    code = guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
+    if argv is None:  # the process is the command (console script, `python -m safepoint.cli`)
+        exit_now(code)
+    return code
 
 
 def _prestart_sandbox() -> None:
