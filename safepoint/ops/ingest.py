@@ -4,12 +4,17 @@ One composition for a whole snapshot and for one node's part of a multi-node che
 the tests and the Prefect flow (safepoint.flows.ingest) all run `ingest` below; the flow passes a
 step runner that makes each step a Prefect task, with retries. Every run ends with an
 `ingest.done` catalog event (what event-driven watchers wait for), whatever the outcome.
+
+The dry-run load (validation) reads the local bytes while the upload reads them, in a thread of its
+own beside the steps (its reader is a sandboxed child), so the whole ingest costs about one upload;
+its report is recorded, and the checkpoint validated, only once a replica is verified.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ from safepoint.ops.metrics import MemorySampler
 from safepoint.ops.replicate import ReplicaResult
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.steps import IngestOutcome
-from safepoint.ops.validation import validate_checkpoint
+from safepoint.ops.validation import judge, validate_checkpoint
 
 log = logging.getLogger("safepoint")
 
@@ -85,15 +90,19 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
         record_done(catalog, row.id, detail)
         return IngestReport(out, row.id, detail)
 
-    with MemorySampler() as mem:
+    factory = model or config.run_setting(m.run, "model")
+    # The dry-run load reads the local bytes while the upload does (one page-cache pass, overlapped);
+    # its report is recorded only once the replicas are verified. Leaving this block waits for it.
+    with MemorySampler() as mem, ThreadPoolExecutor(1, thread_name_prefix="safepoint-validate") as beside:
         # Repair what a crashed earlier attempt left at these destinations (scoped, cheap).
         runner.run("reconcile", reconcile_scope, catalog, m.run, m.step, to, config)
         checkpoint_id = runner.run("register", steps.register, catalog, snap).id
+        judged = None if is_part(m) else beside.submit(judge, catalog, checkpoint_id, snap, model=factory,
+                                                         config=config)
         limit = getattr(runner, "host_limit", None)  # Prefect's global concurrency limit, where there is one
         answers = runner.map("replicate", replicate_one,
                              [(catalog, checkpoint_id, snap, url, config, limit) for url in to])
         results = [_as_result(url, a) for url, a in zip(to, answers)]
-        factory = model or config.run_setting(m.run, "model")
         if is_part(m):
             settled = runner.run("settle-part", assemble.settle_part, catalog, checkpoint_id, snap, results, to,
                                  config)
@@ -102,7 +111,8 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
             if settled.won:
                 runner.run("validate", validate_assembled, catalog, checkpoint_id, config, factory)
         elif runner.run("settle-replication", steps.settle, catalog, checkpoint_id, results) is CS.REPLICATED:
-            runner.run("validate", validate_checkpoint, catalog, checkpoint_id, snap, model=factory, config=config)
+            runner.run("validate", validate_checkpoint, catalog, checkpoint_id, snap, model=factory, config=config,
+                       judged=judged)
     out = steps.outcome(catalog, checkpoint_id)
     detail = done_detail(snap, snapshot, event_id, out, results, t0, mem.min_ratio)
     runner.run("record-ingest", record_done, catalog, checkpoint_id, detail)
