@@ -65,13 +65,26 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
-def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
-    """Project modules (and external top-level names) that `module` imports anywhere in its body."""
+def _eager_nodes(tree: ast.AST) -> list[ast.AST]:
+    """The nodes that run when the module is imported: all but function bodies."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def imports_of(module: str, path: Path, known: set[str], *, eager: bool = False) -> set[str]:
+    """Project modules (and external top-level names) that `module` imports anywhere in its body;
+    with `eager`, only those its import runs (not inside a function)."""
     tree = ast.parse(path.read_text())
     skip = _type_checking_lines(tree)
     found: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(tree):
+    for node in (_eager_nodes(tree) if eager else ast.walk(tree)):
         if getattr(node, "lineno", None) in skip:
             continue
         if isinstance(node, ast.Import):
@@ -92,10 +105,25 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, eager: bool = False) -> dict[str, set[str]]:
     mods = project_modules()
     known = set(mods)
-    return {m: imports_of(m, p, known) for m, p in mods.items()}
+    return {m: imports_of(m, p, known, eager=eager) for m, p in mods.items()}
+
+
+def loaded_by(module: str, g: dict[str, set[str]]) -> set[str]:
+    """Every project module and external top-level name that importing `module` runs (with its packages)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(g.get(name, ()))
+        if "." in name:
+            todo.append(name.rpartition(".")[0])
+    return seen
 
 
 def layer_of(module: str) -> int | None:
@@ -165,6 +193,64 @@ def test_only_the_prefect_edge_imports_prefect():
         if d.split(".")[0] in ("prefect", "prefect_dask") and not m.startswith(PREFECT_EDGE)
     )
     assert not offenders, "\n".join(offenders)
+
+
+#: the training side: what a training process imports to seal (and snapshot) its checkpoints
+TRAINING_SIDE = ("safepoint.integrations", "safepoint.snapshotter", "safepoint.local.commit")
+#: what the training side may not load when imported: the catalog, Prefect, the object-store and CLI stacks
+TRAINING_MUST_NOT_LOAD = ("sqlalchemy", "alembic", "prefect", "prefect_dask", "botocore", "boto3", "fsspec",
+                          "s3fs", "rich")
+#: and the layers above it that pull those in (an integration may import them inside a function, when used)
+TRAINING_MUST_NOT_IMPORT = ("catalog", "ops", "events", "edge", "cli")
+
+
+def test_the_training_side_imports_no_catalog_prefect_or_object_store():
+    """An HF, Lightning, Accelerate or DCP training process pays for sealing, not for the catalog
+    (docs/architecture.md): importing the training side runs no import of a heavy layer or library."""
+    g = graph(eager=True)
+    offenders = []
+    for module in sorted(m for m in g if m.startswith(TRAINING_SIDE)):
+        for dep in sorted(loaded_by(module, g)):
+            layer = layer_of(dep)
+            barred_layer = layer is not None and LAYERS[layer][0] in TRAINING_MUST_NOT_IMPORT
+            if barred_layer or dep.split(".")[0] in TRAINING_MUST_NOT_LOAD:
+                offenders.append(f"{module} loads {dep}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_loaded_by_follows_eager_imports_and_packages():
+    g = {"a.b": {"c"}, "c": {"d"}, "a": set(), "d": set(), "e": {"f"}}
+    assert loaded_by("a.b", g) == {"a.b", "a", "c", "d"}
+
+
+#: each training-side module and the trainer library it imports first (whose own imports are not ours)
+TRAINING_IMPORTS = [
+    ("safepoint.integrations.huggingface", "transformers.trainer_utils, transformers.trainer_callback"),
+    ("safepoint.integrations.lightning", "lightning_fabric.plugins.io.torch_io"),
+    ("safepoint.integrations.accelerate", None),
+    ("safepoint.integrations.dcp", None),
+    ("safepoint.integrations.sealing", None),
+    ("safepoint.snapshotter", None),
+    ("safepoint.local.commit", None),
+]
+
+
+@pytest.mark.parametrize(("module", "trainer_lib"), TRAINING_IMPORTS, ids=[m for m, _ in TRAINING_IMPORTS])
+def test_importing_the_training_side_loads_no_heavy_module(module, trainer_lib):
+    """What `python -X importtime -c "import <module>"` shows, in a fresh interpreter: the modules of
+    TRAINING_MUST_NOT_LOAD that the import adds beyond what the trainer library loads itself."""
+    if trainer_lib:
+        pytest.importorskip(trainer_lib.split(",")[0].strip())
+    before = f"import {trainer_lib}\n" if trainer_lib else ""
+    code = (f"import json, sys\n{before}"
+            "known = set(sys.modules)\n"
+            f"import {module}\n"
+            f"print(json.dumps(sorted(m for m in set(sys.modules) - known if m.split('.')[0] in "
+            f"{TRAINING_MUST_NOT_LOAD!r})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
 
 
 def test_pyproject_lists_every_package():

@@ -54,11 +54,11 @@ def cmd_watch(args) -> int:
         return ingest_here(args)
     from safepoint.cli.common import _catalog, err
     from safepoint.core.config import home, load_config
+    from safepoint.core.naming import this_host
     from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
     from safepoint.events.watch import EmitWatcher
     from safepoint.flows.deployments import api_url
     from safepoint.flows.gateway import PrefectGateway
-    from safepoint.ops.leases import this_host
 
     api_url()
     root = Path(args.root)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, check_run, check_step, digest_bytes
 from safepoint.core.redact import redact_url
 
@@ -39,6 +42,11 @@ def parse_snapshot_url(url: str) -> tuple[str, str, int]:
     if len(parts) != 3 or not parts[2].isdigit():
         raise ValueError(f"{url!r} is not <base>/<run>/<step>")
     return parts[0], check_run(parts[1]), check_step(int(parts[2]))
+
+
+def this_host() -> str:
+    """The name this host goes by in leases and events: $SAFEPOINT_NODE, else the host name."""
+    return os.environ.get("SAFEPOINT_NODE") or socket.gethostname()
 
 
 # -- catalog lease names (safepoint.ops.leases) ------------------------------------------------

@@ -28,12 +28,14 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from safepoint.catalog.store import Catalog
 from safepoint.core.format import TMP_PREFIX, digest_bytes
 from safepoint.local.atomic import publish, write_replace
 from safepoint.local.snapshot import LocalSnapshot
+
+if TYPE_CHECKING:
+    from safepoint.catalog.store import Catalog
 
 log = logging.getLogger("safepoint.events.markers")
 

@@ -26,10 +26,9 @@ from pathlib import Path
 from safepoint.core import resumed
 from safepoint.core.errors import CommitError, FormatError
 from safepoint.core.format import Manifest
-from safepoint.events.markers import Marker
+from safepoint.core.naming import this_host
 from safepoint.local.commit import commit, unseal
 from safepoint.local.snapshot import LocalSnapshot, is_committed
-from safepoint.ops.leases import this_host
 
 __all__ = ["SealOptions", "emit_committed", "note_resumed_from", "seal", "step_of_folder", "unseal_before_write"]
 
@@ -60,7 +59,8 @@ def emit_committed(folder: str | os.PathLike, to: Sequence[str], *, node: str | 
                    timeout_s: float = 10.0) -> str | None:
     """Send the committed event of a sealed folder; its event id, or None when it could not be sent."""
     try:
-        # Prefect is imported only by a job that asks for events: training scripts stay light without it.
+        # Prefect (and the events layer) only for a job that asks for events: training scripts stay light.
+        from safepoint.events.markers import Marker
         from safepoint.flows.gateway import PrefectGateway
 
         marker = Marker.of(LocalSnapshot.open(folder), list(to), node or this_host())

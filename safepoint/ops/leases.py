@@ -28,7 +28,7 @@ from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config
 from safepoint.core.errors import SafepointError
 from safepoint.core.format import Manifest
-from safepoint.core.naming import ingest_lease, uploads_lease_prefix, uploads_limit_name
+from safepoint.core.naming import ingest_lease, this_host, uploads_lease_prefix, uploads_limit_name
 from safepoint.destinations.parts import is_part, part_key
 
 
@@ -146,11 +146,6 @@ def slot(catalog: Catalog, prefix: str, slots: int, *, holder: str | None = None
     names = [f"{prefix}/{(start + i) % slots}" for i in range(slots)]
     with _hold(catalog, names, holder=holder, ttl_s=ttl_s, wait_s=wait_s, poll_s=poll_s) as got:
         yield got
-
-
-def this_host() -> str:
-    """The name this host goes by in leases and events: $SAFEPOINT_NODE, else the host name."""
-    return os.environ.get("SAFEPOINT_NODE") or socket.gethostname()
 
 
 def limits(config: Config) -> tuple[int, float, float]:
