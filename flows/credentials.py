@@ -16,7 +16,7 @@ from typing import Any
 from safepoint.core.config import Config
 from safepoint.core.errors import UsageError
 from safepoint.core.redact import split_userinfo
-from safepoint.local.credentials import unseal
+from safepoint.local.credentials import reveal_credentials
 
 __all__ = ["BLOCK_SCHEME", "resolve_destinations", "block_destination"]
 
@@ -67,7 +67,7 @@ def resolve_destinations(to: list[str], config: Config) -> tuple[list[str], Conf
     urls: list[str] = []
     storage = dict(config.storage)
     for given in to:
-        url = unseal(given) or given
+        url = reveal_credentials(given) or given
         if url.startswith(BLOCK_SCHEME):
             url, extra = block_destination(url)
         else:

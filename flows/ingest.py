@@ -26,7 +26,7 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.flows.automations import emit_outcome
 from safepoint.flows.credentials import resolve_destinations
 from safepoint.flows.run_logs import route_to_run_logs
-from safepoint.local.credentials import unseal
+from safepoint.local.credentials import reveal_credentials
 from safepoint.local.snapshot import read_small
 from safepoint.ops.ingest import IngestOutcome, run_ingest
 from safepoint.tasks.artifacts import publish_validation_report
@@ -123,7 +123,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
     # Parameters name credentials by reference only (safepoint.local.credentials); resolved here, in memory.
     config = load_config()
     to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
-    catalog = open_catalog(unseal(catalog_url) or config.catalog_url)
+    catalog = open_catalog(reveal_credentials(catalog_url) or config.catalog_url)
     try:
         done = run_ingest(snapshot, to, catalog, config, model=model, event_id=event_id,
                           skip_if_verified=skip_if_verified, runner=PrefectSteps())

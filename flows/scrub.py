@@ -20,6 +20,7 @@ from safepoint.core.config import Config, fanout_settings, load_config
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.states import ReplicaState as RS
+from safepoint.core.urls import local_path
 from safepoint.core.verify import VerifyReport
 from safepoint.destinations import open_destination
 from safepoint.flows import fanout
@@ -90,8 +91,8 @@ def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]
     catalog = open_catalog(catalog_url or config.catalog_url)
     size, count = batch_limits(fanout_settings(config))
     runner = fanout.task_runner(config)
-    if "://" not in target or target.startswith("file://") and _is_local_snapshot(target):
-        folder = target[len("file://"):] if target.startswith("file://") else target
+    folder = local_path(target)
+    if folder is not None and ("://" not in target or _is_local_snapshot(target, folder)):
         snap = LocalSnapshot.open(folder)
         groups = batches(list(snap.manifest.files), size, count)
         report = _merged(verify_local_batches.with_options(task_runner=runner)(str(snap.root), groups))
@@ -124,8 +125,7 @@ def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]
     return {"target": snap_url, "outcome": str(report.outcome), "summary": report.summary(), "batches": len(jobs)}
 
 
-def _is_local_snapshot(url: str) -> bool:
-    path = Path(url[len("file://"):])
+def _is_local_snapshot(url: str, path: Path) -> bool:
     if not (path / MARKER_NAME).is_file():
         return False
     try:

@@ -58,13 +58,13 @@ def big_snapshot(tmp_path):
 
 def s3dest(env, prefix: str, **options) -> S3Destination:
     dest = open_destination(env.url(prefix), {**SMALL_PARTS, **options})
-    assert isinstance(dest, S3Destination)
+    assert isinstance(dest.inner, S3Destination)
     return dest
 
 
 def test_open_destination_dispatches_s3(s3_env):
     dest = open_destination(s3_env.url("x"))
-    assert isinstance(dest, S3Destination)
+    assert isinstance(dest.inner, S3Destination)
     assert dest.url == s3_env.url("x") and dest.bucket == s3_env.bucket and dest.prefix == s3_env.key("x")
 
 

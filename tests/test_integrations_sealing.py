@@ -9,7 +9,7 @@ import pytest
 
 from safepoint.core.errors import CommitError
 from safepoint.events.markers import EVENT, Marker
-from safepoint.integrations.sealing import SealOptions, seal, step_of_folder
+from safepoint.integrations.sealing import SealOptions, seal_and_announce, step_of_folder
 from safepoint.local.snapshot import LocalSnapshot
 
 
@@ -42,7 +42,7 @@ def _folder(tmp_path: Path) -> Path:
 
 def test_seal_then_emit_the_watchers_event(tmp_path: Path, gateway) -> None:
     folder = _folder(tmp_path)
-    m = seal(folder, 7, SealOptions("r", emit_to=("file:///durable",), node="n1"))
+    m = seal_and_announce(folder, 7, SealOptions("r", emit_to=("file:///durable",), node="n1"))
     assert (m.run, m.step) == ("r", 7)
     [marker] = gateway.sent
     assert marker == Marker.of(LocalSnapshot.open(folder), ["file:///durable"], "n1", now=marker.seen_at)
@@ -50,21 +50,21 @@ def test_seal_then_emit_the_watchers_event(tmp_path: Path, gateway) -> None:
 
 
 def test_no_event_unless_asked_and_a_failed_send_does_not_raise(tmp_path: Path, gateway, caplog) -> None:
-    seal(_folder(tmp_path), 7, SealOptions("r"))
+    seal_and_announce(_folder(tmp_path), 7, SealOptions("r"))
     assert gateway.sent == []
     gateway.fail = True
     other = tmp_path / "b"
     other.mkdir()
     (other / "w.bin").write_bytes(b"y")
-    assert seal(other, 8, SealOptions("r", emit_to=("file:///d",))) is not None
+    assert seal_and_announce(other, 8, SealOptions("r", emit_to=("file:///d",))) is not None
     assert "could not send the committed event" in caplog.text
 
 
 def test_a_failed_seal_raises_unless_not_strict(tmp_path: Path, gateway) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(CommitError):
-        seal(missing, 1, SealOptions("r"))
-    assert seal(missing, 1, SealOptions("r", strict=False)) is None
+        seal_and_announce(missing, 1, SealOptions("r"))
+    assert seal_and_announce(missing, 1, SealOptions("r", strict=False)) is None
 
 
 @pytest.mark.parametrize("name,step", [("step-100", 100), ("checkpoint-4", 4), ("step_3", 3), ("latest", None),

@@ -41,7 +41,7 @@ def snapshot(tmp_path):
 
 def s3dest(env, prefix: str, **options) -> S3Destination:
     dest = open_destination(env.url(prefix), {**PARTS, **options})
-    assert isinstance(dest, S3Destination)
+    assert isinstance(dest.inner, S3Destination)
     return dest
 
 

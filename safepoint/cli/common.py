@@ -83,10 +83,10 @@ def check_destinations_here(to: list[str]) -> list[str]:
 def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
     """The ingest flow, its parameters free of secrets: credential-bearing URLs go sealed (core.credentials)."""
     from safepoint.flows.ingest import ingest_result
-    from safepoint.local.credentials import seal
+    from safepoint.local.credentials import hide_credentials
 
-    return ingest_result(snapshot=str(Path(folder).resolve()), to=[seal(u) or u for u in to], model=model,
-                  catalog_url=seal(catalog_url))
+    return ingest_result(snapshot=str(Path(folder).resolve()), to=[hide_credentials(u) or u for u in to], model=model,
+                  catalog_url=hide_credentials(catalog_url))
 
 
 def _ingest_exit(result: dict) -> int:

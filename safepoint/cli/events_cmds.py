@@ -36,10 +36,10 @@ def cmd_serve(args) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port, cat.url, addr=args.metrics_addr)
         err.print(f"metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics")
-    from safepoint.local.credentials import seal
+    from safepoint.local.credentials import hide_credentials
 
     # Deployment defaults are stored by Prefect: credentials go by reference (safepoint.local.credentials).
-    deployments = build([seal(u) or u for u in args.to], node=args.node, name=args.name,
+    deployments = build([hide_credentials(u) or u for u in args.to], node=args.node, name=args.name,
                         scrub_every_s=args.scrub_every or None, scrub_subset=args.scrub_subset,
                         completeness_every_s=args.completeness_every or None)
     serve_all(deployments, limit=args.limit, query_seconds=args.poll, pause_on_shutdown=False,
@@ -69,9 +69,9 @@ def cmd_watch(args) -> int:
     spool = Spool(Path(args.spool) if args.spool else home() / "spool" / node)
     policy = Policy(confirm_after_s=args.confirm_after, retry_max_s=args.retry_max)
     dispatcher = Dispatcher(catalog, spool, PrefectGateway(args.deployment or DEFAULT_DEPLOYMENT), policy)
-    from safepoint.local.credentials import seal
+    from safepoint.local.credentials import hide_credentials
 
-    to = [seal(u) or u for u in args.to]  # event payloads are stored by Prefect: credentials by reference
+    to = [hide_credentials(u) or u for u in args.to]  # event payloads are stored by Prefect: credentials by reference
     watcher = EmitWatcher(root, to, catalog, dispatcher, node, config=load_config(),
                           interval=args.interval, timeouts_every=None if args.no_timeouts else args.timeouts_every,
                           use_inotify=not args.poll_only, on_event=lambda text: err.print(text))

@@ -221,10 +221,11 @@ def cmd_verify(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    from safepoint.core.urls import local_path
     from safepoint.validation.validate import validate_snapshot
 
-    path = args.url[len("file://"):] if args.url.startswith("file://") else args.url
-    if "://" in path:
+    path = local_path(args.url)
+    if path is None:
         raise UsageError("validate works on a local snapshot folder or file:// URL")
     if not Path(path).is_dir():
         raise UsageError(f"{path}: not a directory")

@@ -10,6 +10,7 @@ from pathlib import Path
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, check_run
 from safepoint.core.naming import join, snapshot_key
+from safepoint.destinations.retry import RetryPolicy, is_transient
 
 
 def check_size(found: int | None, expected: int | None, where: str) -> None:
@@ -83,6 +84,9 @@ class Destination(ABC):
     #: the base URL, safe to print and store (no credentials)
     url: str
     capabilities: Capabilities = Capabilities(atomic_exclusive_create=False)
+    #: which of this backend's failures another try may fix, and how many tries (safepoint.destinations.retrying)
+    transient: Callable[[BaseException], bool] = staticmethod(is_transient)
+    retry_policy: RetryPolicy = RetryPolicy()
 
     def snapshot_url(self, run: str, step: int) -> str:
         return join(self.url, snapshot_key(run, step))

@@ -14,16 +14,13 @@ from typing import Any
 
 from safepoint.core.errors import DestinationError, UsageError
 from safepoint.core.redact import redact_url
+from safepoint.core.urls import scheme_of
 
 __all__ = ["SUPPORTED_SCHEMES", "check_destinations", "scheme_of"]
 
 #: file and S3 (botocore), plus the fsspec object stores whose writes are whole-object puts
 SUPPORTED_SCHEMES = frozenset({"file", "local", "s3", "s3a", "memory", "gs", "gcs", "az", "abfs", "abfss",
                                "hdfs", "webhdfs"})
-
-
-def scheme_of(url: str) -> str:
-    return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
 def check_destinations(urls: Iterable[str], storage_options: Any = None) -> None:

@@ -19,6 +19,7 @@ from safepoint.core.format import MARKER_NAME, FileEntry, check_run, check_step
 from safepoint.core.hashing import CHUNK, hash_path, new_hasher
 from safepoint.core.naming import file_url
 from safepoint.core.redact import redact
+from safepoint.core.urls import local_path, path_url
 from safepoint.destinations.base import (
     Capabilities,
     Destination,
@@ -40,9 +41,11 @@ class LocalDestination(Destination):
     capabilities = Capabilities(atomic_exclusive_create=True, folders=True)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        self.url = redact(url.rstrip("/")) or url
-        path = url.split("://", 1)[1] if "://" in url else url
+        path = local_path(url)
+        if path is None:
+            raise ValueError(f"{redact(url)}: not a file:// URL")
         self.root = os.path.abspath(path).rstrip("/") or "/"
+        self.url = path_url(self.root)  # one spelling per folder: what the catalog records
 
     def _local(self, run: str, step: int, relpath: str) -> Path:
         return Path(file_url(self.root, run, step, relpath))

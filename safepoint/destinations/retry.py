@@ -5,12 +5,16 @@ are retried with capped exponential backoff and full jitter; everything else (ac
 such bucket, a precondition that failed) is final and surfaces at once. A call that keeps failing
 ends as one `DestinationError` whose message names the operation and the last error, redacted.
 
-Only network calls are wrapped: a local read error (EIO from the snapshot's disk) is never retried
-here, it is the caller's business.
+Each backend classifies its own failures: `is_retryable` reads botocore's errors (S3), `is_transient`
+the errno, timeout or HTTP status of a file or fsspec call (a dropped NFS handle, a reset
+connection, a 503). A refusal (EACCES, NoSuchBucket), a missing path, a full disk or EIO is final:
+a local read error (EIO from the snapshot's disk) is never retried here, it is the caller's business.
+The layer that applies them to every destination is safepoint.destinations.retrying.
 """
 
 from __future__ import annotations
 
+import errno
 import http.client
 import logging
 import random
@@ -87,6 +91,24 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, ShortRead)
 
 
+#: errnos of a file or fsspec call worth another try: the network or a server's, never the data's
+TRANSIENT_ERRNOS = frozenset({
+    errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE,
+    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.ESTALE,
+})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Pure classification for file and fsspec destinations: is another try of the same call reasonable?"""
+    if isinstance(exc, (ConnectionError, TimeoutError, http.client.HTTPException, ShortRead)):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in TRANSIENT_ERRNOS
+    status = next((v for v in (getattr(exc, a, None) for a in ("status", "status_code", "code"))
+                   if isinstance(v, int)), None)
+    return status in RETRYABLE_STATUS
+
+
 class ShortRead(Exception):
     """A response body ended before the length the server announced (a truncated GET)."""
 
@@ -98,14 +120,16 @@ def describe(exc: BaseException) -> str:
 
 
 def call(fn: Callable[[], T], policy: RetryPolicy, what: str, *,
-         sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run `fn` until it succeeds, a failure is final, or the attempts run out (then DestinationError)."""
+         sleep: Callable[[float], None] = time.sleep,
+         transient: Callable[[BaseException], bool] = is_retryable) -> T:
+    """Run `fn` until it succeeds, a failure is final (`transient` says no), or the attempts run out
+    (then DestinationError)."""
     failures = 0
     while True:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
-            if not is_retryable(e):
+            if not transient(e):
                 raise
             failures += 1
             if failures >= policy.attempts:

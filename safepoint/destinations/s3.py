@@ -64,7 +64,7 @@ from safepoint.destinations.base import (
 )
 from safepoint.destinations.buffers import BufferPool
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
-from safepoint.local.credentials import unseal
+from safepoint.local.credentials import reveal_credentials
 from safepoint.local.durable_write import FileWriter
 
 log = logging.getLogger(__name__)
@@ -196,9 +196,14 @@ class S3Destination(Destination):
     """
 
     capabilities = Capabilities(atomic_exclusive_create=True, multipart_uploads=True)
+    transient = staticmethod(retry.is_retryable)  # botocore's errors (safepoint.destinations.retrying)
+
+    @property
+    def retry_policy(self) -> retry.RetryPolicy:  # type: ignore[override]
+        return self.tuning.retry
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        url = unseal(url) or url
+        url = reveal_credentials(url) or url
         _clean, user, password = split_userinfo(url)
         if user is not None and password is not None:  # s3://KEY:SECRET@bucket/p: the URL's keys win
             storage_options = {**(storage_options or {}), "key": user, "secret": password}

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, unseal_before_write
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal_and_announce, unseal_before_write
 
 __all__ = ["load_state", "save_state"]
 
@@ -32,7 +32,7 @@ def save_state(accelerator: Any, root: str | os.PathLike, *, run: str, step: int
     accelerator.save_state(str(folder), **kwargs)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        seal(folder, step, SealOptions(run, tuple(emit_to), node))
+        seal_and_announce(folder, step, SealOptions(run, tuple(emit_to), node))
     accelerator.wait_for_everyone()
     return folder
 

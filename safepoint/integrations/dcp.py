@@ -25,7 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, step_of_folder, unseal_before_write
+from safepoint.integrations.sealing import (
+    SealOptions,
+    note_resumed_from,
+    seal_and_announce,
+    step_of_folder,
+    unseal_before_write,
+)
 from safepoint.local.snapshot import is_committed
 from safepoint.validation.loaders.dcp import METADATA_NAME
 
@@ -49,7 +55,7 @@ def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step:
     if distributed:
         dist.barrier(group=process_group)
     if not distributed or dist.get_rank() == 0:
-        seal(folder, step, SealOptions(run, tuple(emit_to), node))
+        seal_and_announce(folder, step, SealOptions(run, tuple(emit_to), node))
     if distributed:
         dist.barrier(group=process_group)  # nobody moves on before the seal
     return folder
@@ -73,6 +79,6 @@ def seal_finished(root: str | os.PathLike, *, run: str, emit_to: Sequence[str] =
     for folder in sorted(folders, key=lambda p: step_of_folder(p) or 0):
         if is_committed(folder) or not (folder / METADATA_NAME).is_file():
             continue
-        if seal(folder, step_of_folder(folder) or 0, options) is not None:
+        if seal_and_announce(folder, step_of_folder(folder) or 0, options) is not None:
             sealed.append(folder)
     return sealed

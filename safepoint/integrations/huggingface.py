@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from safepoint.core import resumed
-from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, unseal_before_write
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal_and_announce, unseal_before_write
 
 __all__ = ["SafepointCallback"]
 
@@ -102,5 +102,5 @@ class SafepointCallback(TrainerCallback):
                 log.warning("safepoint: %s not found after save; not sealed", folder)
                 return
             folder = found[-1]
-        if seal(folder, state.global_step, self.options) is not None:
+        if seal_and_announce(folder, state.global_step, self.options) is not None:
             self.sealed.append(folder)

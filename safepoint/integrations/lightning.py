@@ -28,7 +28,7 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from safepoint.core import resumed
-from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal, unseal_before_write
+from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal_and_announce, unseal_before_write
 from safepoint.local.snapshot import LocalSnapshot, is_committed
 
 __all__ = ["SafepointCheckpointIO", "sealed_checkpoint", "step_folder"]
@@ -71,7 +71,7 @@ class SafepointCheckpointIO(CheckpointIO):
                 return
             unseal_before_write(target.parent)  # the same checkpoint saved again (a resumed run): a new seal
         self.inner.save_checkpoint(checkpoint, target, storage_options=storage_options)
-        if seal(target.parent, step, self.options) is not None:
+        if seal_and_announce(target.parent, step, self.options) is not None:
             self.sealed.append(target.parent)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ sends it, with the same deterministic id, so a watcher that also sees the marker
 second run).
 
 A trainer that re-saves a step it had sealed (a resume into its own output folder) gets a new seal:
-`unseal` takes the old marker away before the trainer writes, and `seal` re-seals what it wrote
+`unseal` takes the old marker away before the trainer writes, and `seal_and_announce` re-seals what it wrote
 (`commit(reseal=True)`), recording the manifest it supersedes. After a resume (`safepoint.restore`,
 or a trainer resuming from a sealed folder), each sealed checkpoint names its lineage parent
 (safepoint.core.resumed).
@@ -30,7 +30,8 @@ from safepoint.core.naming import this_host
 from safepoint.local.commit import commit, unseal
 from safepoint.local.snapshot import LocalSnapshot, is_committed
 
-__all__ = ["SealOptions", "emit_committed", "note_resumed_from", "seal", "step_of_folder", "unseal_before_write"]
+__all__ = ["SealOptions", "emit_committed", "note_resumed_from", "seal_and_announce", "step_of_folder",
+           "unseal_before_write"]
 
 log = logging.getLogger("safepoint.integrations")
 _STEP_FOLDER = re.compile(r"^(?:step|checkpoint)[-_=]?(\d+)$")
@@ -91,7 +92,7 @@ def note_resumed_from(folder: str | os.PathLike) -> tuple[str, int] | None:
     return m.run, m.step
 
 
-def seal(folder: str | os.PathLike, step: int, options: SealOptions) -> Manifest | None:
+def seal_and_announce(folder: str | os.PathLike, step: int, options: SealOptions) -> Manifest | None:
     """commit(folder, run, step) (re-sealing a re-saved folder), then the event if asked.
 
     None when sealing failed and not strict."""

@@ -2,10 +2,10 @@
 
 Prefect stores a flow run's parameters, and an event's payload, in its database, and its UI and
 API show them. So before a URL with userinfo (`s3://KEY:SECRET@bucket/p`,
-`postgresql://u:PASSWORD@host/db`) becomes a parameter or a payload, `seal` writes it to a file
+`postgresql://u:PASSWORD@host/db`) becomes a parameter or a payload, `hide_credentials` writes it to a file
 of its own under `$SAFEPOINT_HOME/credentials/` (mode 0600, folder 0700) and returns the URL with
 the userinfo replaced by a reference: `s3://safepoint-ref-<id>@bucket/p`. `redact` strips that
-like any userinfo, so the catalog and logs hold `s3://bucket/p`; `unseal`, in the process that
+like any userinfo, so the catalog and logs hold `s3://bucket/p`; `reveal_credentials`, in the process that
 runs the flow, reads the URL back. The id is a keyed hash (the key is a random file beside the
 references), so sealing the same URL twice gives the same reference and the id reveals nothing.
 
@@ -27,7 +27,7 @@ from safepoint.core.errors import UsageError
 from safepoint.core.redact import redact_url, split_userinfo
 from safepoint.local.atomic import write_exclusive, write_replace
 
-__all__ = ["REF_PREFIX", "seal", "unseal", "is_sealed"]
+__all__ = ["REF_PREFIX", "hide_credentials", "hides_credentials", "reveal_credentials"]
 
 REF_PREFIX = "safepoint-ref-"
 _REF_RE = re.compile(rf"^{REF_PREFIX}([0-9a-f]{{32}})$")
@@ -47,7 +47,7 @@ def _key(folder: Path) -> bytes:
     return path.read_bytes()
 
 
-def seal(url: str | None) -> str | None:
+def hide_credentials(url: str | None) -> str | None:
     """`url` with its userinfo stored here and replaced by a reference; unchanged when it has none."""
     if not url:
         return url
@@ -63,16 +63,16 @@ def seal(url: str | None) -> str | None:
     return f"{scheme}://{REF_PREFIX}{ref}@{rest}"
 
 
-def is_sealed(url: str | None) -> bool:
+def hides_credentials(url: str | None) -> bool:
     if not url:
         return False
     _clean, user, password = split_userinfo(url)
     return user is not None and password is None and _REF_RE.match(user) is not None
 
 
-def unseal(url: str | None) -> str | None:
+def reveal_credentials(url: str | None) -> str | None:
     """The URL a reference stands for (other URLs unchanged); UsageError when this host lacks it."""
-    if not is_sealed(url):
+    if not hides_credentials(url):
         return url
     _clean, user, _ = split_userinfo(url or "")
     path = home() / "credentials" / _REF_RE.match(user or "").group(1)  # type: ignore[union-attr]

@@ -30,6 +30,7 @@ from safepoint.core.errors import FormatError
 from safepoint.core.format import Manifest, digest_bytes
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
+from safepoint.core.urls import local_path
 from safepoint.destinations import open_destination
 from safepoint.destinations.parts import Assembly, check_part, part_key
 from safepoint.destinations.parts import assemble as assemble_parts
@@ -213,9 +214,9 @@ def assembled_snapshot(catalog: Catalog, checkpoint_id: int, config: Config | No
     reps = [r for r in catalog.replicas(checkpoint_id) if r.state is RS.VERIFIED]
     if not reps:
         raise FileNotFoundError(f"{row.run}/{row.step}: no assembled replica to validate from")
-    local = [r for r in reps if r.url.startswith("file://")]
+    local = [path for r in reps if (path := local_path(r.url)) is not None]
     if local:
-        yield LocalSnapshot.open(local[0].url[len("file://"):])
+        yield LocalSnapshot.open(local[0])
         return
     sources = [Source(r.destination.rstrip("/"), r.url.rstrip("/")) for r in reps]
     with fetched_copy(row.run, row.step, sources, config, expect_manifest=row.manifest_blake3,

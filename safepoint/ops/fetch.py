@@ -14,7 +14,7 @@ it into `into`, several at once:
 - a source that is one node's part (`Source.part`: the digest its manifest must have) supplies only
   the files it holds; when no whole source binds the manifest, the parts' merge must (multi-node).
 
-`seal(into, fetched)` then writes MANIFEST.json and COMMITTED (the source's exact bytes), fsynced:
+`commit_fetched(into, fetched)` then writes MANIFEST.json and COMMITTED (the source's exact bytes), fsynced:
 `into` is a committed Safepoint snapshot. `fetched_copy(...)` does both into a temporary folder
 under $SAFEPOINT_HOME/tmp and yields it as a LocalSnapshot (None when no copy is whole).
 The decisions (which source first, what the attempts add up to) are safepoint.rules.restore's.
@@ -55,7 +55,7 @@ from safepoint.local.copy import copy_and_hash
 from safepoint.local.snapshot import LocalSnapshot, read_small, resolve_inside
 from safepoint.rules.restore import Attempt, Outcome, Source, Verdict, checkpoint_verdict, file_verdict, reuse_plan
 
-__all__ = ["Fetched", "TargetDiskError", "fetch_snapshot", "fetched_copy", "seal"]
+__all__ = ["Fetched", "TargetDiskError", "fetch_snapshot", "commit_fetched", "fetched_copy"]
 
 OnBytes = Callable[[int], None]
 
@@ -282,7 +282,7 @@ def _fetch_one(r: _Reader, entry: FileEntry, tmp: Path, final: Path, on_bytes: O
         if digest != entry.blake3:
             tmp.unlink(missing_ok=True)
             return Outcome.BAD, "BLAKE3 mismatch: the bytes are not the manifest's"
-        publish(tmp, final, sync_folder=False)  # the folders are fsynced once, by seal()
+        publish(tmp, final, sync_folder=False)  # the folders are fsynced once, by commit_fetched()
         return Outcome.OK, ""
     except (FileNotFoundError, DestinationError, FormatError) as e:
         tmp.unlink(missing_ok=True)
@@ -295,7 +295,7 @@ def _fetch_one(r: _Reader, entry: FileEntry, tmp: Path, final: Path, on_bytes: O
         return classify(e)
 
 
-def seal(into: Path, fetched: Fetched) -> None:
+def commit_fetched(into: Path, fetched: Fetched) -> None:
     """fsync the folders, then write MANIFEST.json, then COMMITTED (exactly the source's bytes).
 
     An OSError leaves no marker behind and is raised: nothing was committed.
@@ -322,7 +322,7 @@ def fetched_copy(run: str, step: int, sources: Sequence[Source], config: Config,
         result = fetch_snapshot(run, step, sources, folder, config=config, expect_manifest=expect_manifest)
         snap = None
         if result.verdict is Verdict.WHOLE:
-            seal(folder, result)
+            commit_fetched(folder, result)
             snap = LocalSnapshot.open(folder)
         yield snap, result
     finally:

@@ -19,6 +19,7 @@ from safepoint.core.format import digest_bytes
 from safepoint.core.redact import redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
+from safepoint.core.urls import local_path
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.fetch import fetched_copy
 from safepoint.rules.restore import Source
@@ -59,8 +60,8 @@ def _candidates(catalog: Catalog, row: CheckpointRow, config: Config, exclude: s
     for rep in catalog.replicas(row.id):
         if rep.state is not RS.VERIFIED or (exclude and rep.url.rstrip("/") == redact_url(exclude).rstrip("/")):
             continue
-        if rep.url.startswith("file://"):
-            yield _open_local(rep.url[len("file://"):]), False
+        if (path := local_path(rep.url)) is not None:
+            yield _open_local(path), False
         else:
             yield _fetched(rep, row, config), True
 

@@ -44,8 +44,7 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.local.atomic import fsync_dir, write_replace
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops.fetch import Fetched, TargetDiskError, fetch_snapshot
-from safepoint.ops.fetch import seal as seal_snapshot
+from safepoint.ops.fetch import Fetched, TargetDiskError, commit_fetched, fetch_snapshot
 from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.rules.completeness import FileRow, copy_problem
@@ -247,10 +246,10 @@ def whole_problem(choice: _Choice, fetched: Fetched) -> str | None:
                         recorded_files=choice.files)
 
 
-def seal(into: Path, fetched: Fetched) -> None:
+def commit_restored(into: Path, fetched: Fetched) -> None:
     """Step 5: fsync the folders, then MANIFEST.json, then COMMITTED (exactly the source's bytes)."""
     try:
-        seal_snapshot(into, fetched)
+        commit_fetched(into, fetched)
     except OSError as e:
         raise RestoreError(f"could not commit {into}: {e.strerror or e}; nothing was committed") from e
     (into / STATE_NAME).unlink(missing_ok=True)
@@ -323,7 +322,7 @@ def restore(
         for f in failed:
             say(f"{f['url']}: {f['state']} ({f['reason']})")
         if fetched.verdict is Verdict.WHOLE:
-            runner.run("commit", seal, target, fetched)
+            runner.run("commit", commit_restored, target, fetched)
             result = RestoreResult(run, choice.step, target, fetched.used, fetched.fetched, fetched.reused,
                                    time.perf_counter() - t0, failed_all, fell_back)
             catalog.add_event(EVENT, checkpoint_id=choice.checkpoint_id,

@@ -20,6 +20,7 @@ from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
+from safepoint.core.urls import local_path, path_url
 from safepoint.core.verify import VerifyReport
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
@@ -34,7 +35,7 @@ from safepoint.rules.settle import replica_state
 def _as_url(target: str) -> str:
     if "://" in target:
         return target.rstrip("/")
-    return "file://" + str(Path(target).resolve())
+    return path_url(Path(target).resolve())
 
 
 def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> tuple[VerifyReport, str]:
@@ -42,7 +43,7 @@ def verify_url(catalog: Catalog, target: str, config: Config | None = None) -> t
     config = config or Config()
     url = _as_url(target)
     found = catalog.find_replica(url)
-    local = Path(url[len("file://"):]) if url.startswith("file://") else None
+    local = local_path(url)
     if found is None and local is not None and (local / MARKER_NAME).exists():
         try:
             report = LocalSnapshot.open(local).verify(progress=hook())

@@ -11,6 +11,7 @@ from pathlib import Path
 from safepoint.catalog.probe import knows_local
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MARKER_NAME
+from safepoint.core.urls import local_path, path_url
 from safepoint.core.verify import VerifyReport
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import hook
@@ -18,9 +19,8 @@ from safepoint.ops.progress import hook
 
 def local_target(target: str) -> Path | None:
     """The folder `target` names (a path or file:// URL), or None for a remote URL."""
-    if target.startswith("file://"):
-        return Path(target[len("file://"):]).resolve()
-    return None if "://" in target else Path(target).resolve()
+    path = local_path(target)
+    return None if path is None else path.resolve()
 
 
 def verify_unknown_local(target: str, catalog_url: str | None) -> tuple[VerifyReport, str] | None:
@@ -28,7 +28,7 @@ def verify_unknown_local(target: str, catalog_url: str | None) -> tuple[VerifyRe
     local = local_target(target)
     if local is None or not (local / MARKER_NAME).exists():
         return None
-    if knows_local(catalog_url, str(local), ["file://" + str(local)]) is not False:
+    if knows_local(catalog_url, str(local), [path_url(local)]) is not False:
         return None
     try:
         report = LocalSnapshot.open(local).verify(progress=hook())

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from safepoint.core.urls import local_path
+
 
 @dataclass(frozen=True)
 class Source:
@@ -32,8 +34,8 @@ class Source:
 
 def _matches(prefix: str, source: Source) -> bool:
     p = prefix.rstrip("/")
-    if p.startswith("file://") and source.local:
-        p = p[len("file://"):]
+    if source.local and "://" in p and (path := local_path(p)) is not None:
+        p = str(path)
     return any(x == p or x.startswith(p + "/") for x in (source.url.rstrip("/"), source.base.rstrip("/")))
 
 
