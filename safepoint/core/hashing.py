@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
 
 import blake3
+
+from safepoint.core.errors import FormatError
 
 CHUNK = 8 * 1024 * 1024
 # blake3's own threads pay off only for large inputs.
@@ -43,6 +45,33 @@ def hash_stream(chunks: Iterable[bytes], size_hint: int = 0) -> tuple[int, str]:
         h.update(b)
         n += len(b)
     return n, h.hexdigest()
+
+
+def copy_hashed(readinto: Callable[[memoryview], int], write: Callable[[int, memoryview], object],
+                buffer: memoryview, *, limit: int | None = None, size_hint: int = 0,
+                on_bytes: Callable[[int], None] | None = None, where: str = "") -> str:
+    """Move every byte `readinto` gives to `write(offset, chunk)` through `buffer`, hashing each
+    once as it goes; the BLAKE3 of the bytes moved. Every copy of a file (upload, fetch) is this loop.
+
+    With `limit`, at most `limit` bytes are accepted: each read asks for one byte past what is
+    left, and a byte past it is FormatError (a file that grew while it was read is refused, not
+    followed). Errors of `readinto` and `write` are the caller's to name (a store's, or a disk's).
+    """
+    h = new_hasher(size_hint)
+    done = 0
+    while True:
+        want = buffer if limit is None else buffer[: min(len(buffer), limit - done + 1)]
+        n = readinto(want)
+        if not n:
+            return h.hexdigest()
+        if limit is not None and done + n > limit:
+            raise FormatError(f"{where}: longer than {limit} bytes (it changed while being read)")
+        chunk = buffer[:n]
+        h.update(chunk)
+        write(done, chunk)
+        done += n
+        if on_bytes is not None:
+            on_bytes(n)
 
 
 class HashingReader:

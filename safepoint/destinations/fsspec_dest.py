@@ -17,7 +17,7 @@ import fsspec
 
 from safepoint.core.errors import DestinationError, FormatError
 from safepoint.core.format import MARKER_NAME, FileEntry, check_run
-from safepoint.core.hashing import CHUNK, hash_stream, new_hasher, read_chunks
+from safepoint.core.hashing import CHUNK, copy_hashed, hash_stream, read_chunks
 from safepoint.core.naming import file_url, join, snapshot_key
 from safepoint.core.redact import redact
 from safepoint.destinations.base import (
@@ -62,12 +62,10 @@ class FsspecDestination(Destination):
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         path = self._path(run, step, entry.path)
         self.fs.makedirs(self.fs._parent(path), exist_ok=True)
-        h = new_hasher(entry.size)
-        with open(source, "rb") as src, self.fs.open(path, "wb") as dst:
-            for chunk in read_chunks(src, CHUNK):
-                h.update(chunk)
-                dst.write(chunk)
-        return h.hexdigest()
+        buf = memoryview(bytearray(min(CHUNK, entry.size + 1)))
+        with open(source, "rb", buffering=0) as src, self.fs.open(path, "wb") as dst:
+            # bytes(): a store's file may keep what it is given until it flushes; the buffer is reused
+            return copy_hashed(src.readinto, lambda _at, chunk: dst.write(bytes(chunk)), buf, size_hint=entry.size)
 
     def digest(self, run: str, step: int, relpath: str) -> str:
         with self.fs.open(self._path(run, step, relpath), "rb") as f:
@@ -79,33 +77,26 @@ class FsspecDestination(Destination):
         check_size(found, size, self._path(run, step, relpath))
         assert found is not None
         limit = found if size is None else size
-        h = new_hasher(0)
         try:
             src = self.fs.open(self._path(run, step, relpath), "rb")
         except FileNotFoundError:
             raise
         except Exception as e:  # noqa: BLE001 - any store failure; the local disk is below
             raise DestinationError(redact(f"open {self.url}/{run}/{step}/{relpath}: {e}") or "open failed") from e
-        done = 0
+
+        def read(view: memoryview) -> int:
+            try:
+                return src.readinto(view)
+            except Exception as e:  # noqa: BLE001
+                raise DestinationError(redact(f"read {self.url}/{run}/{step}/{relpath}: {e}") or "read failed") from e
+
+        buf = memoryview(bytearray(min(CHUNK, limit + 1)))
         with src, open(target, "wb") as out:
-            while True:
-                try:
-                    chunk = src.read(min(CHUNK, limit - done + 1))  # at most one byte past the size
-                except Exception as e:  # noqa: BLE001
-                    raise DestinationError(redact(f"read {self.url}/{run}/{step}/{relpath}: {e}") or "read failed") \
-                        from e
-                if not chunk:
-                    break
-                if done + len(chunk) > limit:
-                    raise FormatError(f"{self.url}/{run}/{step}/{relpath}: longer than {limit} bytes")
-                done += len(chunk)
-                out.write(chunk)
-                h.update(chunk)
-                if on_bytes is not None:
-                    on_bytes(len(chunk))
+            digest = copy_hashed(read, lambda _at, chunk: out.write(chunk), buf, limit=limit, on_bytes=on_bytes,
+                                 where=f"{self.url}/{run}/{step}/{relpath}")
             out.flush()
             os.fsync(out.fileno())
-        return h.hexdigest()
+        return digest
 
     def read_control(self, run: str, step: int, name: str) -> bytes | None:
         try:

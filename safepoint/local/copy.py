@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from safepoint.core.errors import DestinationError, FormatError
-from safepoint.core.hashing import CHUNK, new_hasher
+from safepoint.core.hashing import CHUNK, copy_hashed
 from safepoint.local.durable_write import FileWriter, aligned_buffer
 
 __all__ = ["copy_and_hash", "open_regular"]
@@ -57,25 +57,14 @@ def copy_and_hash(source: str | os.PathLike[str], target: Path, on_bytes: Callab
     if found != limit:
         os.close(fd)
         raise FormatError(f"size {found}, the manifest says {limit}")
-    h = new_hasher(0)
-    buf = aligned_buffer(CHUNK)
-    view = memoryview(buf)
-    done = 0
     with open(fd, "rb", buffering=0) as src, FileWriter(target) as out:
-        while True:
-            want = view[: min(len(view), limit - done + 1)]  # one byte past the size shows growth
+        def read(view: memoryview) -> int:
             try:
-                n = src.readinto(want)
+                return src.readinto(view)
             except OSError as e:
                 raise DestinationError(f"{source}: {e.strerror}") from e
-            if not n:
-                break
-            if done + n > limit:
-                raise FormatError(f"{source}: longer than {limit} bytes (it changed while being read)")
-            h.update(view[:n])
-            out.write_at(done, view[:n])
-            done += n
-            if on_bytes is not None:
-                on_bytes(n)
+
+        digest = copy_hashed(read, out.write_at, memoryview(aligned_buffer(CHUNK)), limit=limit, on_bytes=on_bytes,
+                             where=str(source))
         out.sync()
-    return h.hexdigest()
+    return digest
