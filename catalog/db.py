@@ -20,6 +20,7 @@ from sqlalchemy.pool import StaticPool
 
 from safepoint.catalog.jsontext import json_dumps
 from safepoint.catalog.revision import HEAD_REVISION
+from safepoint.core.naming import catalog_db
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -49,9 +50,9 @@ def default_catalog_url() -> str:
     url = os.environ.get("SAFEPOINT_CATALOG_URL")
     if url:
         return url
-    home = Path(os.environ.get("SAFEPOINT_HOME") or "~/.safepoint").expanduser()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'catalog.db'}"
+    path = catalog_db()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
 
 
 def normalize_url(url: str | URL) -> URL:

@@ -12,13 +12,15 @@ import os
 from pathlib import Path
 from urllib.parse import unquote
 
+from safepoint.core.naming import catalog_db
+
 
 def sqlite_file(url: str | None) -> Path | None:
     """The database file of a SQLite catalog URL (None: the default, as catalog.db.default_catalog_url)."""
     if url is None:
         url = os.environ.get("SAFEPOINT_CATALOG_URL")
     if url is None:
-        return Path(os.environ.get("SAFEPOINT_HOME") or "~/.safepoint").expanduser() / "catalog.db"
+        return catalog_db()
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.split("+")[0] != "sqlite" or not rest.startswith("/") or len(rest) < 2:
         return None  # not SQLite, or in memory

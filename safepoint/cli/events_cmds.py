@@ -53,8 +53,8 @@ def cmd_watch(args) -> int:
 
         return ingest_here(args)
     from safepoint.cli.common import _catalog, err
-    from safepoint.core.config import home, load_config
-    from safepoint.core.naming import this_host
+    from safepoint.core.config import load_config
+    from safepoint.core.naming import spool_dir, this_host
     from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
     from safepoint.events.watch import EmitWatcher
     from safepoint.flows.deployments import api_url
@@ -66,7 +66,7 @@ def cmd_watch(args) -> int:
         raise UsageError(f"{root}: not a directory")
     node = args.node or this_host()
     catalog = _catalog(args)
-    spool = Spool(Path(args.spool) if args.spool else home() / "spool" / node)
+    spool = Spool(Path(args.spool) if args.spool else spool_dir(node))
     policy = Policy(confirm_after_s=args.confirm_after, retry_max_s=args.retry_max)
     dispatcher = Dispatcher(catalog, spool, PrefectGateway(args.deployment or DEFAULT_DEPLOYMENT), policy)
     from safepoint.local.credentials import hide_credentials

@@ -22,10 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from safepoint.core.errors import UsageError
-
-
-def home() -> Path:
-    return Path(os.environ.get("SAFEPOINT_HOME") or Path.home() / ".safepoint").expanduser()
+from safepoint.core.naming import config_file, home  # noqa: F401 - home: its owner is naming
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class Config:
 
 
 def load_config(path: str | os.PathLike | None = None) -> Config:
-    path = Path(path or os.environ.get("SAFEPOINT_CONFIG") or home() / "config.toml")
+    path = Path(path or os.environ.get("SAFEPOINT_CONFIG") or config_file())
     doc: dict[str, Any] = {}
     if path.is_file():
         import tomllib  # only when there is a file: every command loads the config, most have none

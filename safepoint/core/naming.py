@@ -1,9 +1,11 @@
-"""Naming: where a snapshot of run R at step N lives at a destination (docs/format.md)."""
+"""Naming: where a snapshot of run R at step N lives at a destination (docs/format.md), the lease
+names, and where this host keeps its own state under $SAFEPOINT_HOME."""
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, check_run, check_step, digest_bytes
 from safepoint.core.redact import redact_url
@@ -42,6 +44,36 @@ def parse_snapshot_url(url: str) -> tuple[str, str, int]:
     if len(parts) != 3 or not parts[2].isdigit():
         raise ValueError(f"{url!r} is not <base>/<run>/<step>")
     return parts[0], check_run(parts[1]), check_step(int(parts[2]))
+
+
+# -- this host's state under $SAFEPOINT_HOME (default ~/.safepoint) ---------------------------
+
+def home() -> Path:
+    return Path(os.environ.get("SAFEPOINT_HOME") or Path.home() / ".safepoint").expanduser()
+
+
+def catalog_db() -> Path:
+    """The default SQLite catalog."""
+    return home() / "catalog.db"
+
+
+def config_file() -> Path:
+    return home() / "config.toml"
+
+
+def credentials_dir() -> Path:
+    """Credentials kept by reference (safepoint.local.credentials), one file each, mode 0600."""
+    return home() / "credentials"
+
+
+def spool_dir(node: str) -> Path:
+    """The watcher's unconfirmed markers on `node` (safepoint.events.markers.Spool)."""
+    return home() / "spool" / node
+
+
+def tmp_dir() -> Path:
+    """Verified fetches in progress (safepoint.ops.fetch), removed afterwards."""
+    return home() / "tmp"
 
 
 def this_host() -> str:

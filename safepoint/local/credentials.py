@@ -22,8 +22,8 @@ import re
 import secrets
 from pathlib import Path
 
-from safepoint.core.config import home
 from safepoint.core.errors import UsageError
+from safepoint.core.naming import credentials_dir
 from safepoint.core.redact import redact_url, split_userinfo
 from safepoint.local.atomic import write_exclusive, write_replace
 
@@ -34,7 +34,7 @@ _REF_RE = re.compile(rf"^{REF_PREFIX}([0-9a-f]{{32}})$")
 
 
 def _folder() -> Path:
-    d = home() / "credentials"
+    d = credentials_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)
     return d
@@ -75,7 +75,7 @@ def reveal_credentials(url: str | None) -> str | None:
     if not hides_credentials(url):
         return url
     _clean, user, _ = split_userinfo(url or "")
-    path = home() / "credentials" / _REF_RE.match(user or "").group(1)  # type: ignore[union-attr]
+    path = credentials_dir() / _REF_RE.match(user or "").group(1)  # type: ignore[union-attr]
     try:
         return path.read_text()
     except FileNotFoundError:

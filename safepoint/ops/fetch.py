@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safepoint.core.config import Config, home
+from safepoint.core.config import Config
 from safepoint.core.errors import DestinationError, FormatError, SafepointError
 from safepoint.core.format import (
     MANIFEST_NAME,
@@ -46,6 +46,7 @@ from safepoint.core.format import (
     marker_for,
 )
 from safepoint.core.hashing import hash_path
+from safepoint.core.naming import tmp_dir
 from safepoint.core.redact import redact
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
@@ -315,7 +316,7 @@ def fetched_copy(run: str, step: int, sources: Sequence[Source], config: Config,
                  expect_manifest: str | None = None, label: str = "fetch") -> Iterator[tuple[LocalSnapshot | None,
                                                                                              Fetched]]:
     """(snapshot, result): a verified, sealed copy in a temporary folder (removed afterwards), or None."""
-    tmp_root = home() / "tmp"
+    tmp_root = tmp_dir()
     tmp_root.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{label}-{run}-{step}-", dir=tmp_root))
     try:
