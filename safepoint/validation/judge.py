@@ -64,9 +64,12 @@ class ValidationReport:
 
     @property
     def outcome(self) -> str:
-        """'verified' (no findings), 'incomplete' (only missing files) or 'invalid'."""
+        """'verified' (no findings), 'corrupt' (a file read was not the manifest's: no verdict on its
+        content), 'incomplete' (only missing files) or 'invalid'."""
         if not self.findings:
             return "verified"
+        if any(f.problem is Problem.CHANGED for f in self.findings):
+            return "corrupt"
         if all(f.problem is Problem.MISSING for f in self.findings):
             return "incomplete"
         return "invalid"
@@ -120,9 +123,11 @@ def _nbytes(s: TensorStat) -> int:
 class Judge:
     """The report of one snapshot's validation as it is built, and the checks run once it is read."""
 
-    def __init__(self, folder: Path, settings: ValidationSettings, heads: dict[str, str] | None = None) -> None:
+    def __init__(self, folder: Path, settings: ValidationSettings, heads: dict[str, str] | None = None,
+                 digests: dict[str, str] | None = None) -> None:
         self.folder = folder
         self.settings = settings
+        self.digests = digests  # path -> the manifest's BLAKE3: what every file read must hash to (None: unbound)
         self.heads = heads or {}  # the previous checkpoint's head digests by stat key (audit.baseline_heads)
         self._heads_seen: frozenset[str] | None = None  # their values, whatever the name (reading.same_head)
         self.limits = settings.limits
