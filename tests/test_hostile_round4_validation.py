@@ -105,3 +105,27 @@ def test_the_reader_binds_every_file_to_the_manifest(tmp_path: Path) -> None:
     report = validate_snapshot(folder, ["model.pt"], digests=digests)
     assert report.outcome == "corrupt" and [f.problem for f in report.findings] == [Problem.CHANGED]
     assert report.stats == []   # nothing was read from the other bytes
+
+
+def test_a_file_rewritten_while_the_reader_reads_it_is_never_judged(tmp_path: Path, monkeypatch) -> None:
+    """Hashed and found the manifest's, then rewritten while the loader reads it: the read is void."""
+    from dataclasses import replace
+
+    from safepoint.validation import reading
+    from safepoint.validation.sandbox import SandboxLimits
+    from safepoint.validation.settings import ValidationSettings
+
+    folder = _checkpoint(tmp_path, 1, _state(1.0))
+    digests = {"model.pt": json.loads((folder / "MANIFEST.json").read_text())["files"][0]["blake3"]}
+    real = reading.iter_file_leaves
+
+    def rewritten_midway(path, **kwargs):
+        Path(path).write_bytes(_state(float("nan")))   # the trainer's re-save lands during the read
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(reading, "iter_file_leaves", rewritten_midway)
+    settings = replace(ValidationSettings(), sandbox=replace(SandboxLimits(), enabled=False))   # in this process
+    report = validate_snapshot(folder, ["model.pt"], settings=settings, digests=digests)
+    assert report.outcome == "corrupt"
+    assert any(f.problem is Problem.CHANGED and "changed while it was validated" in f.message
+               for f in report.findings)
