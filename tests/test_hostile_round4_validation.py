@@ -129,3 +129,24 @@ def test_a_file_rewritten_while_the_reader_reads_it_is_never_judged(tmp_path: Pa
     assert report.outcome == "corrupt"
     assert any(f.problem is Problem.CHANGED and "changed while it was validated" in f.message
                for f in report.findings)
+
+
+def test_a_reader_killed_by_a_rewrite_leaves_a_corrupt_outcome_not_a_verdict(tmp_path: Path, monkeypatch) -> None:
+    """A file truncated under the reader's map kills it (SIGBUS): the parent finds the file is no longer the
+    manifest's, so the outcome is corrupt rather than invalid on bytes nobody committed."""
+    import os
+    import signal
+
+    from safepoint.validation import reading
+
+    folder = _checkpoint(tmp_path, 1, _state(1.0))
+    digests = {"model.pt": json.loads((folder / "MANIFEST.json").read_text())["files"][0]["blake3"]}
+
+    def truncated_under_the_map(path, **kwargs):   # runs in the sandboxed child, forked from here
+        Path(path).write_bytes(b"")
+        os.kill(os.getpid(), signal.SIGBUS)
+
+    monkeypatch.setattr(reading, "iter_file_leaves", truncated_under_the_map)
+    report = validate_snapshot(folder, ["model.pt"], digests=digests)
+    assert report.outcome == "corrupt", report.summary()
+    assert {f.problem for f in report.findings} == {Problem.UNLOADABLE, Problem.CHANGED}

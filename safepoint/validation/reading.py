@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +20,6 @@ from typing import Any
 
 from safepoint.core.errors import FormatError
 from safepoint.core.format import safe_relpath
-from safepoint.core.hashing import hash_stream, read_chunks
 from safepoint.validation.audit import stat_of
 from safepoint.validation.judge import (
     FILE_INVALID,
@@ -29,11 +27,13 @@ from safepoint.validation.judge import (
     FILE_NOT_LOADED,
     FILE_OK,
     FILE_SKIPPED,
+    NOT_THE_MANIFEST,
     OPAQUE_PICKLE,
     UNKNOWN_FORMAT,
     Finding,
     Judge,
     ValidationReport,
+    read_digest,
 )
 from safepoint.validation.layouts import TRAINER_STATE, RecordedStep, detect_layout, is_step_leaf
 from safepoint.validation.loaders import (
@@ -89,25 +89,17 @@ class Reader(Judge):
             return True
         if rel in self._bound:
             return True
-        path = self.folder / rel
         try:
-            with open(path, "rb", buffering=0) as f:  # bounded memory: streamed, never mapped
-                before = os.fstat(f.fileno())
-                _size, digest = hash_stream(read_chunks(f), before.st_size) if stat.S_ISREG(before.st_mode) \
-                    else (0, "")
+            before, digest = read_digest(self.folder / rel)
         except OSError as e:
             self.status(rel, FILE_INVALID)
             self.find(rel, Problem.UNLOADABLE, f"{rel}: {one_line(e)}")
             return False
         self._bound[rel] = _identity(before)
         if digest != self.digests[rel]:
-            self.changed(rel, "does not match the manifest (rewritten since it was committed)")
+            self.changed(rel, NOT_THE_MANIFEST)
             return False
         return True
-
-    def changed(self, rel: str, why: str) -> None:
-        self.status(rel, FILE_INVALID)
-        self.find(rel, Problem.CHANGED, f"{rel}: {why}: not judged, its replicas hold other bytes")
 
     def check_bound(self) -> None:
         """Every bound file is still the one hashed: a rewrite during the read makes the read void."""

@@ -200,6 +200,7 @@ def _run_in_sandbox(v: Judge, files: list[str]) -> None:
             v.find(where, Problem.LIMIT, f"{where}: {out.limit}")
         else:
             v.find(where, Problem.UNLOADABLE, f"{where}: validation failed: {out.error}")
+        v.unbound(files)  # a file truncated under the reader's map kills it: that is no verdict on the bytes
         return
     doc = out.value
     for rel, status in doc["files"].items():
