@@ -18,7 +18,13 @@ TMP_PREFIX = ".safepoint-tmp-"
 PARTS_DIR = ".safepoint/parts"
 CONTROL_FILES = frozenset({MANIFEST_NAME, MARKER_NAME})
 FORMAT_VERSION = 1
+# Bounds on a control file (docs/format.md, "Bounds"), checked in one linear pass before anything
+# else reads it: a hostile manifest costs at most its size in time and memory.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_FILES = 1_000_000          # entries in `files`
+MAX_PATH_BYTES = 4096          # one path, UTF-8 (Linux's PATH_MAX)
+MAX_PATH_DEPTH = 128           # segments of one path
+MAX_MARKER_BYTES = 64 * 1024
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -58,6 +64,7 @@ def safe_relpath(path: str) -> str:
         raise FormatError(f"unsafe path {path!r}: empty")
     if "\\" in path or "\x00" in path or path.startswith("/") or re.match(r"^[A-Za-z]:", path):
         raise FormatError(f"unsafe path {path!r}: absolute or not '/'-separated")
+    check_path_bounds(path)
     parts = path.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise FormatError(f"unsafe path {path!r}: contains '', '.' or '..' segments")
@@ -66,6 +73,32 @@ def safe_relpath(path: str) -> str:
     if any(p.startswith(TMP_PREFIX) for p in parts):
         raise FormatError(f"unsafe path {path!r}: temporary file name")
     return path
+
+
+def check_path_bounds(path: str) -> None:
+    """Refuse a path over MAX_PATH_BYTES or MAX_PATH_DEPTH segments, in time linear in its length."""
+    if len(path) > MAX_PATH_BYTES or len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise FormatError(f"unsafe path {path[:80]!r}...: longer than {MAX_PATH_BYTES} bytes")
+    if path.count("/") >= MAX_PATH_DEPTH:
+        raise FormatError(f"unsafe path {path[:80]!r}...: deeper than {MAX_PATH_DEPTH} segments")
+
+
+def _check_bounds(raw_files: list) -> None:
+    """The entry count and every path's length and depth, before any entry is interpreted."""
+    if len(raw_files) > MAX_FILES:
+        raise FormatError(f"manifest: {len(raw_files)} files is over the {MAX_FILES} limit")
+    for raw in raw_files:
+        path = raw.get("path") if isinstance(raw, dict) else None
+        if isinstance(path, str):
+            check_path_bounds(path)
+
+
+def _file_and_dir(paths: set[str]) -> bool:
+    """Whether some path is also a directory of another: in sorted segment order a path's
+    descendants come right after it, so neighbours suffice (no set of every prefix, which is
+    quadratic in a path's depth)."""
+    keyed = sorted(p.split("/") for p in paths)
+    return any(len(b) > len(a) and b[: len(a)] == a for a, b in zip(keyed, keyed[1:]))
 
 
 @dataclass(frozen=True)
@@ -144,6 +177,8 @@ def parse_manifest(data: bytes) -> Manifest:
         raise FormatError(f"manifest: not valid JSON ({e.__class__.__name__})") from None
     if not isinstance(doc, dict):
         raise FormatError("manifest: not a JSON object")
+    if isinstance(doc.get("files"), list):
+        _check_bounds(doc["files"])  # first: nothing below may cost more than the bytes read
     if doc.get("format") != "safepoint.manifest":
         raise FormatError("manifest: unknown format")
     if _need(doc, "format_version", int) != FORMAT_VERSION:
@@ -192,8 +227,7 @@ def parse_manifest(data: bytes) -> Manifest:
         seen.add(path)
         files.append(FileEntry(path, size, digest))
     # A file cannot also be a directory of another file.
-    dirs = {"/".join(p.split("/")[:i]) for p in seen for i in range(1, p.count("/") + 1)}
-    if dirs & seen:
+    if _file_and_dir(seen):
         raise FormatError("manifest: a path is both a file and a directory")
     return Manifest(
         run=run, step=step, files=tuple(sorted(files, key=lambda f: f.path)), created=created,
@@ -219,8 +253,8 @@ def marker_for(manifest_bytes: bytes, manifest: Manifest) -> Marker:
 
 
 def parse_marker(data: bytes) -> Marker:
-    if len(data) > 64 * 1024:
-        raise FormatError("marker: too large")
+    if len(data) > MAX_MARKER_BYTES:
+        raise FormatError(f"marker: over the {MAX_MARKER_BYTES}-byte limit")
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):

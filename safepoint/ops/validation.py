@@ -1,5 +1,9 @@
 """The validation step: a dry-run load of verified bytes, recorded in the catalog.
 
+The load reads the local files, hashing each against the manifest as it goes
+(safepoint.validation.validate), so its verdict is on the bytes the replicas hold: a file rewritten
+while the ingest runs makes the checkpoint corrupt, never verified on other bytes.
+
 Apart from safepoint.ops.steps because it imports torch (through safepoint.validation), which
 commands that never validate (verify, ls, resume-point) should not pay for.
 """
@@ -48,7 +52,7 @@ def _judge(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, settings: 
     row = catalog.get_by_id(checkpoint_id)
     baseline = baseline_from_catalog(catalog, m.run, m.step, parent=row.parent if row is not None else m.parent)
     report = validate_snapshot(snap.root, [f.path for f in m.files], model=harness, settings=settings, step=m.step,
-                               baseline=baseline, **(options or {}))
+                               baseline=baseline, digests={f.path: f.blake3 for f in m.files}, **(options or {}))
     return Judged(report, settings, started)
 
 
@@ -87,7 +91,9 @@ def validate_checkpoint(
     report = result.report
     catalog.record_validation(checkpoint_id, report.ok, report.summary(), report.to_dict(),
                               stat_rows(report.stats, result.settings.rules.role), started_at=result.started)
-    state = {"verified": CS.VERIFIED, "incomplete": CS.INCOMPLETE}.get(str(report.outcome), CS.INVALID)
+    # corrupt: a file read was not the manifest's (rewritten during the ingest): no verdict on its content
+    state = {"verified": CS.VERIFIED, "incomplete": CS.INCOMPLETE, "corrupt": CS.CORRUPT}.get(str(report.outcome),
+                                                                                          CS.INVALID)
     catalog.transition(checkpoint_id, state, expect={CS.VALIDATING},
                        error=None if state is CS.VERIFIED else report.summary())
     return state

@@ -9,11 +9,14 @@ model factory is given.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safepoint.core.hashing import hash_stream, read_chunks
 from safepoint.rules.magnitude import out_of_bound
 from safepoint.validation.consistency import check_consistency, counters_of
 from safepoint.validation.layouts import PLAIN as PLAIN_LAYOUT
@@ -64,9 +67,12 @@ class ValidationReport:
 
     @property
     def outcome(self) -> str:
-        """'verified' (no findings), 'incomplete' (only missing files) or 'invalid'."""
+        """'verified' (no findings), 'corrupt' (a file read was not the manifest's: no verdict on its
+        content), 'incomplete' (only missing files) or 'invalid'."""
         if not self.findings:
             return "verified"
+        if any(f.problem is Problem.CHANGED for f in self.findings):
+            return "corrupt"
         if all(f.problem is Problem.MISSING for f in self.findings):
             return "incomplete"
         return "invalid"
@@ -106,6 +112,17 @@ class ValidationReport:
         return d
 
 
+NOT_THE_MANIFEST = "does not match the manifest (rewritten since it was committed)"
+
+
+def read_digest(path: Path) -> tuple[os.stat_result, str | None]:
+    """(the file's stat before the read, its BLAKE3; None for anything but a regular file), streamed:
+    bounded memory, never mapped. Raises OSError."""
+    with open(path, "rb", buffering=0) as f:
+        before = os.fstat(f.fileno())
+        return before, hash_stream(read_chunks(f), before.st_size)[1] if stat.S_ISREG(before.st_mode) else None
+
+
 # Bytes per element of the dtypes a TensorStat names (torch's names; unknown ones count 0).
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
              "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
@@ -120,9 +137,11 @@ def _nbytes(s: TensorStat) -> int:
 class Judge:
     """The report of one snapshot's validation as it is built, and the checks run once it is read."""
 
-    def __init__(self, folder: Path, settings: ValidationSettings, heads: dict[str, str] | None = None) -> None:
+    def __init__(self, folder: Path, settings: ValidationSettings, heads: dict[str, str] | None = None,
+                 digests: dict[str, str] | None = None) -> None:
         self.folder = folder
         self.settings = settings
+        self.digests = digests  # path -> the manifest's BLAKE3: what every file read must hash to (None: unbound)
         self.heads = heads or {}  # the previous checkpoint's head digests by stat key (audit.baseline_heads)
         self._heads_seen: frozenset[str] | None = None  # their values, whatever the name (reading.same_head)
         self.limits = settings.limits
@@ -144,6 +163,24 @@ class Judge:
                 self.status(file, FILE_INVALID)
         else:
             self.report.warnings.append(Finding(file, tensor, problem, message))
+
+    def changed(self, rel: str, why: str) -> None:
+        """A file whose bytes read are not the manifest's: never judged (the outcome is corrupt)."""
+        self.status(rel, FILE_INVALID)
+        self.find(rel, Problem.CHANGED, f"{rel}: {why}: not judged, its replicas hold other bytes")
+
+    def unbound(self, files: list[str]) -> None:
+        """After a read that did not finish (the reader died or hit a limit): a file that no longer holds
+        the manifest's bytes is why, more likely than the bytes the reader saw."""
+        for rel in files:
+            if self.digests is None or rel not in self.digests:
+                continue
+            try:
+                digest = read_digest(self.folder / rel)[1]
+            except OSError:
+                continue   # the finding already made stands
+            if digest != self.digests[rel]:
+                self.changed(rel, NOT_THE_MANIFEST)
 
     def status(self, file: str, status: str) -> None:
         # missing and invalid win over ok/skipped

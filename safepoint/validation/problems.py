@@ -28,6 +28,7 @@ class Problem(str, Enum):
     OPAQUE = "opaque"            # a pickle the weights-only unpickler refuses (no code named): not loaded
     MALFORMED = "malformed"      # the bytes break the format (bad header, bad offsets, bad metadata)
     MISSING = "missing"          # a file the snapshot needs is absent
+    CHANGED = "changed"          # the bytes read are not the manifest's (rewritten since the commit): corrupt
     # Strict dry-run load against the model factory (safepoint.validation.harness):
     MISSING_KEY = "missing_key"        # the model expects a tensor the checkpoint lacks
     UNEXPECTED_KEY = "unexpected_key"  # the checkpoint has a model tensor the model does not know

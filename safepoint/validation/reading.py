@@ -3,6 +3,10 @@
 This is the half of validation that imports torch and touches untrusted bytes: `read_files` runs in
 the child that safepoint.validation.sandbox limits (named by its dotted path, so the judging
 process never imports this module), or in-process when the sandbox is off.
+
+With the manifest's digests, every file is bound before a loader reads it (`Reader.bind`): hashed
+and checked against the manifest, and checked unchanged (inode, size, mtime, ctime) once every file
+was read, so what was judged is what was replicated.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from safepoint.validation.judge import (
     FILE_NOT_LOADED,
     FILE_OK,
     FILE_SKIPPED,
+    NOT_THE_MANIFEST,
     OPAQUE_PICKLE,
     UNKNOWN_FORMAT,
     Finding,
     Judge,
     ValidationReport,
+    read_digest,
 )
 from safepoint.validation.layouts import TRAINER_STATE, RecordedStep, detect_layout, is_step_leaf
 from safepoint.validation.loaders import (
@@ -63,8 +69,48 @@ def _small_value(v: Any) -> bool:
     return False
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten, in place or by a rename over it."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 class Reader(Judge):
     """A Judge that also reads the files: what runs in the sandboxed child."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bound: dict[str, tuple[int, ...]] = {}  # path -> identity when it was hashed (bind)
+
+    def bind(self, rel: str) -> bool:
+        """Whether `rel` holds the manifest's bytes, hashed now, before a loader reads it (the loader
+        then reads the page cache): a file that does not is a CHANGED finding and is never loaded.
+        Its identity is kept, to check that nothing rewrote it while it was read (`check_bound`)."""
+        if self.digests is None or rel not in self.digests:
+            return True
+        if rel in self._bound:
+            return True
+        try:
+            before, digest = read_digest(self.folder / rel)
+        except OSError as e:
+            self.status(rel, FILE_INVALID)
+            self.find(rel, Problem.UNLOADABLE, f"{rel}: {one_line(e)}")
+            return False
+        self._bound[rel] = _identity(before)
+        if digest != self.digests[rel]:
+            self.changed(rel, NOT_THE_MANIFEST)
+            return False
+        return True
+
+    def check_bound(self) -> None:
+        """Every bound file is still the one hashed: a rewrite during the read makes the read void."""
+        for rel, identity in self._bound.items():
+            try:
+                now = _identity(os.stat(self.folder / rel, follow_symlinks=False))
+            except OSError:
+                now = ()
+            if now != identity and not any(f.file == rel and f.problem is Problem.CHANGED
+                                           for f in self.report.findings):
+                self.changed(rel, "changed while it was validated")
 
     def not_loaded(self, file: str, why: str, problem: Problem, entry: str | None = None) -> None:
         """A file (or one DCP entry) that is never loaded: a note, or a failure if the settings say so."""
@@ -169,10 +215,13 @@ class Reader(Judge):
         for rel in present:
             if rel not in claimed:
                 self.validate_file(rel)
+        self.check_bound()
         return self.report
 
     def validate_file(self, rel: str) -> None:
         note(rel)
+        if not self.bind(rel):
+            return
         path = self.folder / rel
         try:
             fmt = detect_format(path)
@@ -248,6 +297,8 @@ class Reader(Judge):
         note(meta_rel)
         prefix = meta_rel[: -len(METADATA_NAME)]  # "" or "sub/dir/"
         claimed = {meta_rel}
+        if not self.bind(meta_rel):
+            return claimed
         try:
             ckpt = DcpCheckpoint.open(self.folder / meta_rel, self.limits)
         except LoadError as e:
@@ -270,6 +321,8 @@ class Reader(Judge):
             else:
                 self.status(rel, FILE_OK)
         unlisted = {f[len(prefix):] for f in data_files if f not in listed}
+        if not all([self.bind(rel) for rel in data_files if rel in listed]):  # every shard, before any is read
+            return claimed
 
         def on_problem(e: LoadError) -> None:
             file = prefix + e.file if e.file else meta_rel
@@ -314,9 +367,9 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def read_files(folder: str, files: list[str], settings: ValidationSettings,
-               heads: dict[str, str] | None = None) -> dict[str, Any]:
+               heads: dict[str, str] | None = None, digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Read and audit `files` of a snapshot folder (in the sandboxed child); the results as plain data."""
-    v = Reader(Path(folder), settings, heads)
+    v = Reader(Path(folder), settings, heads, digests)
     v.read(files)
     r = v.report
     return {"files": r.files, "stats": [s.to_dict() for s in r.stats],

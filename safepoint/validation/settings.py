@@ -54,7 +54,8 @@ from safepoint.validation.sandbox import SANDBOX_KEYS, SandboxLimits, sandbox_li
 from safepoint.validation.stats import Thresholds
 
 # Problems that can never be downgraded to warnings: unreadable or unsafe bytes.
-ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING, Problem.LIMIT})
+ALWAYS_FAILING = frozenset({Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING, Problem.LIMIT,
+                            Problem.CHANGED})
 
 _THRESHOLD_KEYS = {"norm_jump_factor": "norm_jump_factor", "norm_floor": "norm_floor",
                    "norm_jump_rms_floor": "rms_floor",

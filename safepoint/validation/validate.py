@@ -5,7 +5,14 @@ with the weights-only unpickler, memory-mapped; safetensors after checking the h
 with a restricted metadata unpickler and no process group) and streams every tensor, model and
 optimizer state alike, piece by piece through the numerical audit (safepoint.validation.audit: NaN/Inf, L2
 norm, max |x|). Peak memory is one piece per tensor, not one file: read pages are released as soon
-as they are used. Each byte is read once; hashing is the replicator's job, not repeated here.
+as they are used.
+
+A verdict is bound to the manifest (`digests`): every file is hashed with BLAKE3 just before it is
+loaded (one read from disk: the loader then reads the page cache) and checked against the manifest's
+digest, and its identity (inode, size, mtime, ctime) is checked unchanged once it was read. A file
+rewritten since the commit (a trainer re-saving the step while the ingest runs) is never judged: it
+is a CHANGED finding and the report's outcome is `corrupt`, so a verdict on other bytes than those
+replicated is never recorded as the checkpoint's.
 
 On top of what loading alone catches, validation can run:
 - a strict dry-run load against the user's model factory (safepoint.validation.harness): missing, unexpected
@@ -95,7 +102,7 @@ def _walk_folder(folder: Path) -> tuple[list[str], list[str]]:
 def validate_snapshot(
     folder: str | os.PathLike, files: Iterable[str] | None = None, *, limits: Limits | None = None,
     model: str | Harness | None = None, settings: ValidationSettings | None = None, step: int | None = None,
-    baseline: Baseline | None = None,
+    baseline: Baseline | None = None, digests: dict[str, str] | None = None,
 ) -> ValidationReport:
     """Dry-run load every checkpoint file of a snapshot folder; return a report (never raises for bad data).
 
@@ -105,6 +112,7 @@ def validate_snapshot(
     model: a factory spec `package.module:function` (or a built Harness) for the strict dry-run
     load; it overrides settings.model. step: the catalog's step, checked against the checkpoint's.
     baseline: stats of the previous verified checkpoint, for the norm-jump audit and the consistency rules.
+    digests: the manifest's BLAKE3 by path; a file whose bytes differ is a CHANGED finding, never judged.
     Raises HarnessError (a UsageError) when the model factory cannot be built.
     """
     settings = settings or ValidationSettings()
@@ -120,11 +128,11 @@ def validate_snapshot(
     root = Path(folder)
     heads = baseline_heads(baseline)
     if settings.sandbox.enabled:
-        v = Judge(root, settings, heads)   # the files are read in the sandboxed child
+        v = Judge(root, settings, heads, digests)   # the files are read in the sandboxed child
     else:
         from safepoint.validation.reading import Reader  # read here: this process imports torch
 
-        v = Reader(root, settings, heads)
+        v = Reader(root, settings, heads, digests)
     if not root.is_dir():
         v.find(".", Problem.MISSING, f"{os.fspath(folder)}: snapshot folder missing")
         return v.report
@@ -140,7 +148,7 @@ def validate_snapshot(
     else:
         v.read(file_list)
     unreadable = any(f.problem in (Problem.UNSAFE, Problem.UNLOADABLE, Problem.MALFORMED, Problem.MISSING,
-                                   Problem.LIMIT)
+                                   Problem.LIMIT, Problem.CHANGED)
                      for f in v.report.findings)
     if harness is not None and not unreadable:
         v.run_harness(harness, step)
@@ -182,7 +190,7 @@ def _run_in_sandbox(v: Judge, files: list[str]) -> None:
     """v.run(files) in a child process with memory, CPU and wall-clock limits (safepoint.validation.sandbox)."""
     limits = v.settings.sandbox
     nbytes, mapped = _input_bytes(v.folder, files)
-    out = run_limited(READER, (os.fspath(v.folder), files, v.settings, v.heads), limits, input_bytes=nbytes,
+    out = run_limited(READER, (os.fspath(v.folder), files, v.settings, v.heads, v.digests), limits, input_bytes=nbytes,
                       mapped_bytes=mapped)
     v.report.checks["sandbox"] = {"limit": out.limit, "usage": out.usage}
     if not out.ok:
@@ -192,6 +200,7 @@ def _run_in_sandbox(v: Judge, files: list[str]) -> None:
             v.find(where, Problem.LIMIT, f"{where}: {out.limit}")
         else:
             v.find(where, Problem.UNLOADABLE, f"{where}: validation failed: {out.error}")
+        v.unbound(files)  # a file truncated under the reader's map kills it: that is no verdict on the bytes
         return
     doc = out.value
     for rel, status in doc["files"].items():

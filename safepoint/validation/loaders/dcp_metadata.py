@@ -21,6 +21,15 @@ So the opcode stream is decoded here, in two passes, by our own code:
 
 Error messages name types and clipped strings, never the `repr` of a decoded value, and are at
 most `MAX_MESSAGE` characters.
+
+Why not torch's weights-only unpickler with DCP's classes allow-listed (checked with torch 2.13,
+every case of tests/test_dcp_metadata.py): it cannot read real metadata at all, since DCP writes
+`.metadata` with `pickle.dump`'s protocol 4 and that unpickler refuses FRAME, MEMOIZE and
+STACK_GLOBAL ("Unsupported operand 149"), while the public `torch.load(..., weights_only=True)`
+refuses a bare pickle outright (it reads torch.save's zip or legacy formats only). Of the hostile
+cases, "REDUCE on an allowed dataclass" and "NEWOBJ on an allowed name with arguments" load instead
+of being refused (the constructors run), and "memory amplifier (16 MiB of empty lists)" runs past
+20 s and 1 GiB where this decoder refuses it at once (stack bound); only the sandbox would stop it.
 """
 
 from __future__ import annotations
