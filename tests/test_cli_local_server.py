@@ -147,7 +147,7 @@ def test_server_stop_ends_it(fresh_env):
     state = local_server.read_state(Path(env["PREFECT_HOME"]))
     r = safepoint(env, "server", "stop")
     assert r.returncode == 0 and f"pid {state.pid}" in r.stdout
-    assert not local_server.pid_alive(state.pid) and not local_server.healthy(state.api_url, timeout=1)
+    assert not local_server.running(state) and not local_server.healthy(state.api_url, timeout=1)
     assert safepoint(env, "server", "status").returncode == 1
 
 
@@ -167,9 +167,9 @@ def test_an_idle_embedded_server_stops_itself(tmp_path):
         state = local_server.read_state(home)
         assert state is not None
         deadline = time.monotonic() + 45  # 2 s idle, a poll of 0.5 s, then the server's own shutdown
-        while local_server.pid_alive(state.pid) and time.monotonic() < deadline:
+        while local_server.running(state) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not local_server.pid_alive(state.pid)
+        assert not local_server.running(state)
         assert not local_server.healthy(state.api_url, timeout=1)
         assert local_server.read_state(home) is None
         assert "no Safepoint client for 2 s" in (home / local_server.LOG_NAME).read_text()

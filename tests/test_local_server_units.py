@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,11 +12,15 @@ import pytest
 from safepoint.flows import local_server as ls
 
 
+def keeper_like(home: Path, seconds: float = 60) -> subprocess.Popen:
+    """A process whose command line is a keeper's of `home` (so it may be signalled) that never serves."""
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})", ls.KEEPER_MODULE, str(home)],
+                            start_new_session=True)
+
+
 def sleeper(home: Path) -> ls.ServerState:
-    """A stand-in 'server' process that never answers /api/health."""
-    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    return ls.ServerState(pid=proc.pid, port=ls.free_port(), home=str(home), started_at=time.time(),
-                          prefect_version="test")
+    """A stand-in keeper that never answers /api/health."""
+    return ls.state_of(keeper_like(home).pid, ls.free_port(), home)
 
 
 @pytest.mark.parametrize("text", ["", "not json", "{}", '{"pid": 1}', "[1, 2]"])
@@ -27,9 +32,9 @@ def test_unreadable_state_is_no_state(tmp_path, text):
 def test_stop_kills_the_process_group_and_forgets_it(tmp_path):
     state = sleeper(tmp_path)
     ls._write_state(tmp_path, state)
-    assert ls.read_state(tmp_path) == state and ls.pid_alive(state.pid)
+    assert ls.read_state(tmp_path) == state and ls.running(state)
     assert ls.stop(tmp_path) == state
-    assert not ls.pid_alive(state.pid) and ls.read_state(tmp_path) is None
+    assert not ls.running(state) and ls.read_state(tmp_path) is None
     assert ls.stop(tmp_path) is None  # nothing left: still fine
 
 
@@ -38,7 +43,7 @@ def test_a_server_that_never_answers_is_stopped_and_reported(tmp_path, monkeypat
     monkeypatch.setattr(ls, "_spawn", lambda home: started.append(sleeper(home)) or started[-1])
     with pytest.raises(ls.ServerError, match="did not answer within 1 s; see .*safepoint-server.log"):
         ls.ensure_server(tmp_path, 1.0)
-    assert not ls.pid_alive(started[0].pid) and ls.read_state(tmp_path) is None
+    assert not ls.running(started[0]) and ls.read_state(tmp_path) is None
 
 
 def test_a_dead_recorded_server_is_replaced(tmp_path, monkeypatch):
@@ -52,7 +57,8 @@ def test_a_dead_recorded_server_is_replaced(tmp_path, monkeypatch):
     state = ls.ensure_server(tmp_path, 5.0)
     assert state == spawned[0] != dead and ls.read_state(tmp_path) == state
     assert ls.ensure_server(tmp_path, 5.0) == state and len(spawned) == 1  # reused, not started again
-    ls.stop(tmp_path)
+    monkeypatch.undo()  # the real health check: the stand-in never answered
+    assert ls.stop(tmp_path) == state and not ls.running(state)
 
 
 def test_startup_wait_follows_prefect_but_never_below_the_floor(monkeypatch):
