@@ -175,3 +175,94 @@ def test_an_idle_embedded_server_stops_itself(tmp_path):
         assert "no Safepoint client for 2 s" in (home / local_server.LOG_NAME).read_text()
     finally:
         local_server.stop(home)
+
+
+# --- stale and foreign state files (issue 37): nothing signalled, set aside, a new server at once -------------------
+
+def own_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SAFEPOINT_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), SAFEPOINT_HOME=str(tmp_path / "sp-home"),
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), **extra)
+    return env
+
+
+@pytest.fixture
+def victim():
+    """An unrelated live process in its own process group, with a child: what a stale pid may name now."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & wait"], start_new_session=True)
+    yield proc
+    from tests.prefect_server import stop_group
+
+    stop_group(proc, grace_s=5)
+
+
+def stale_file(home: Path, victim_pid: int, kind: str) -> None:
+    """A state file naming `victim_pid` and a dead port: as e023f1b wrote it (pid only), or in today's form with
+    the victim's own start time, or with another host's name or boot id."""
+    from safepoint.local.processes import identify
+
+    home.mkdir(parents=True, exist_ok=True)
+    record = {"pid": victim_pid, "port": local_server.free_port(), "home": str(home), "started_at": time.time(),
+              "prefect_version": "3"}
+    if kind != "pid-only":
+        ident = identify(victim_pid)
+        record.update(start_ticks=ident.start_ticks, host=ident.host, boot_id=ident.boot_id)
+        if kind == "other-host":
+            record["host"] = "node-b.cluster"
+        if kind == "other-boot":
+            record["boot_id"] = "00000000-0000-0000-0000-000000000000"
+    (home / local_server.STATE_NAME).write_text(json.dumps(record))
+
+
+def keeper_lookalike(home: Path) -> subprocess.Popen:
+    """A live process whose command line is a keeper's of `home`: only its host or boot id can tell it apart."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", local_server.KEEPER_MODULE,
+                             str(home)], start_new_session=True)
+
+
+@pytest.mark.parametrize("kind", ["pid-only", "this-host", "other-host", "other-boot"])
+def test_server_stop_never_signals_a_process_a_stale_file_names(tmp_path, victim, kind):
+    env = own_env(tmp_path)
+    home = Path(env["PREFECT_HOME"])
+    target = victim
+    if kind in ("other-host", "other-boot"):  # even a keeper's command line is not enough
+        target = keeper_lookalike(home)
+    try:
+        stale_file(home, target.pid, kind)
+        r = safepoint(env, "server", "stop", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert target.poll() is None and victim.poll() is None  # never signalled
+        assert r.stdout.strip() == f"no local Prefect server for {home}", r.stdout
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("safepoint: set aside a stale server file as "), r.stderr
+        assert not (home / local_server.STATE_NAME).exists()
+        assert json.loads((home / (local_server.STATE_NAME + local_server.STALE_SUFFIX)).read_text())["pid"] == \
+            target.pid  # kept to read
+    finally:
+        if target is not victim:
+            target.kill()
+            target.wait()
+
+
+def test_ingest_sets_a_stale_file_aside_and_starts_a_server_at_once(tmp_path, victim):
+    """e023f1b waited out 180 s on the dead port, then SIGTERMed and SIGKILLed the victim's process group."""
+    env = own_env(tmp_path, SAFEPOINT_SERVER_IDLE_STOP_S="120")
+    home = Path(env["PREFECT_HOME"])
+    folder = tmp_path / "ck"
+    make_torch_save_ckpt(folder)
+    assert safepoint(env, "commit", folder, "--run", "stale", "--step", 1).returncode == 0
+    stale_file(home, victim.pid, "pid-only")
+    try:
+        began = time.monotonic()
+        r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri(), timeout=170)
+        took = time.monotonic() - began
+        assert r.returncode == 0 and "verified" in r.stdout, r.stdout + r.stderr
+        assert victim.poll() is None, "the victim's process group was signalled"
+        assert took < local_server.MIN_STARTUP_S, took
+        assert r.stderr.splitlines()[0].startswith("safepoint: set aside a stale server file as "), r.stderr
+        state = local_server.read_state(home)
+        assert (home / (local_server.STATE_NAME + local_server.STALE_SUFFIX)).exists()
+        assert state is not None and state.pid != victim.pid and local_server.running(state)
+    finally:
+        local_server.stop(home)
+    assert victim.poll() is None
