@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from safepoint.flows import local_server as ls
+from safepoint.local import processes
+from safepoint.local.processes import ProcessId
 
 
 def keeper_like(home: Path, seconds: float = 60) -> subprocess.Popen:
@@ -126,3 +132,108 @@ def test_the_spawned_server_is_told_its_own_ui_api_url(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_UI_API_URL", "http://127.0.0.1:4200/api")
     env = ls._server_env(tmp_path, 41234)
     assert env["PREFECT_UI_API_URL"] == env["PREFECT_SERVER_UI_API_URL"] == "http://127.0.0.1:41234/api"
+
+
+# --- the keeper's identity, a stale file, the keeper's own survival (issue 37) ---------------------------------------
+
+def _state(**changes) -> ls.ServerState:
+    base = ls.ServerState(pid=4242, port=1, home="/h", started_at=0.0, prefect_version="3", start_ticks="100",
+                          host="node-a", boot_id="boot-1")
+    return dataclasses.replace(base, **changes)
+
+
+KEEPER_ARGV = [sys.executable, "-m", ls.KEEPER_MODULE, "/h", "1", "1800"]
+
+
+@pytest.mark.parametrize("state, now, running, argv, reason", [
+    (_state(), ProcessId(4242, "100", "node-a", "boot-1"), True, KEEPER_ARGV, None),
+    (None, None, False, [], "unreadable, or written by an older Safepoint"),
+    (_state(), None, False, [], "its keeper (pid 4242) has exited"),
+    (_state(), ProcessId(4242, "100", "node-b", "boot-1"), True, KEEPER_ARGV, "written on host 'node-a'"),
+    (_state(), ProcessId(4242, "100", "node-a", "boot-2"), True, KEEPER_ARGV, "written before this host last booted"),
+    (_state(), ProcessId(4242, "999", "node-a", "boot-1"), True, KEEPER_ARGV, "pid 4242 is another process now"),
+    (_state(), ProcessId(4242, "100", "node-a", "boot-1"), False, KEEPER_ARGV, "its keeper (pid 4242) has exited"),
+    (_state(), ProcessId(4242, "100", "node-a", "boot-1"), True, ["sleep", "300"], "is not a Safepoint server keeper"),
+    (_state(home="/other"), ProcessId(4242, "100", "node-a", "boot-1"), True, KEEPER_ARGV,
+     "is not a Safepoint server keeper of /other"),
+])
+def test_a_state_file_is_trusted_only_if_pid_start_host_boot_and_command_line_match(state, now, running, argv,
+                                                                                      reason):
+    got = ls.stale_reason(state, now, running, argv)
+    assert got is None if reason is None else reason in got, got
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the http.server name
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def answering_port():
+    """A port that answers /api/health, as a server that outlived its keeper would."""
+    server = http.server.HTTPServer((ls.HOST, 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_stop_never_reports_a_server_that_still_answers(tmp_path, answering_port):
+    keeper = keeper_like(tmp_path)
+    state = ls.state_of(keeper.pid, answering_port, tmp_path)
+    ls._write_state(tmp_path, state)
+    with pytest.raises(ls.ServerError, match=r"still runs after SIGTERM and SIGKILL"):
+        ls.stop(tmp_path)
+    assert keeper.wait(5) == -15  # its keeper was ours to stop, and was stopped
+    with pytest.raises(ls.ServerError, match=r"still answers at .*names no keeper of ours .*nothing was signalled"):
+        ls.stop(tmp_path)  # the file now names a dead keeper while the port still answers
+    assert (tmp_path / (ls.STATE_NAME + ls.STALE_SUFFIX)).exists() and ls.stop(tmp_path) is None
+
+
+def test_keeper_survives_odd_entries_in_its_clients_folder(tmp_path):
+    clients = tmp_path / ls.CLIENTS_DIR
+    (clients / "123-456").mkdir(parents=True)  # a directory named like a client
+    (clients / "notes.txt").write_text("")
+    thread, result = _keeper(tmp_path, 0.4)
+    thread.join(15)
+    assert not thread.is_alive() and result == [0]  # stopped for idleness, not by an exception
+    assert sorted(p.name for p in clients.iterdir()) == ["123-456", "notes.txt"]  # not clients, left alone
+
+
+def test_keeper_survives_a_removed_prefect_home_and_names_itself_again(tmp_path):
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    thread, result = _keeper(home, 3.0)
+    assert wait_for(lambda: (home / ls.STATE_NAME).exists())
+    shutil.rmtree(home)
+    assert wait_for(lambda: ls.read_state(home) is not None), "the keeper did not name itself again"
+    assert ls.read_state(home).keeper == processes.identify()  # this test process runs keep()
+    thread.join(30)
+    assert not thread.is_alive() and result == [0] and ls.read_state(home) is None
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_the_server_dies_with_its_keeper_even_on_sigkill(tmp_path):
+    code = ("import sys; from pathlib import Path; from safepoint.flows import local_server as ls; "
+            "ls.keep(Path(sys.argv[1]), 0, 0, ['sleep', '300'])")
+    keeper = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+    children = Path(f"/proc/{keeper.pid}/task/{keeper.pid}/children")
+    try:
+        assert wait_for(lambda: children.read_text().split() != [])
+        server = processes.identify(int(children.read_text().split()[0]))
+        keeper.kill()
+        keeper.wait()
+        assert wait_for(lambda: not processes.alive(server)), "the server outlived its keeper"
+    finally:
+        keeper.kill()
+        keeper.wait()
