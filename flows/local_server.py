@@ -333,10 +333,11 @@ def stop_server(home: Path, grace_s: float = 30.0) -> ServerState | None:
     state = read_state(home)
     reason = judge(state)
     if reason is not None:
+        port = _recorded_port(home)
         set_aside(home, reason)
-        if state is not None and healthy(state.api_url, timeout=1):
-            raise ServerError(f"a server still answers at {state.ui_url}, but its state file names no keeper of ours "
-                              f"({reason}); nothing was signalled")
+        if port is not None and healthy(f"http://{HOST}:{port}/api", timeout=1):
+            raise ServerError(f"a server still answers at http://{HOST}:{port}, but its state file names no keeper "
+                              f"of ours ({reason}); nothing was signalled")
         return None
     gone = processes.stop_group(state.keeper, grace_s)
     if not gone or healthy(state.api_url, timeout=1):
@@ -346,6 +347,14 @@ def stop_server(home: Path, grace_s: float = 30.0) -> ServerState | None:
     with contextlib.suppress(FileNotFoundError):
         (home / PIN_NAME).unlink()
     return state
+
+
+def _recorded_port(home: Path) -> int | None:
+    """The port a state file names, in any version's form (to see whether something still answers there)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        port = json.loads((home / STATE_NAME).read_text()).get("port")
+        return port if isinstance(port, int) and 0 < port < 65536 else None
+    return None
 
 
 def _forget(home: Path, state: ServerState) -> None:

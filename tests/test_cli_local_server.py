@@ -266,3 +266,23 @@ def test_ingest_sets_a_stale_file_aside_and_starts_a_server_at_once(tmp_path, vi
     finally:
         local_server.stop(home)
     assert victim.poll() is None
+
+
+def test_server_stop_exits_2_while_a_server_still_answers(tmp_path):
+    """The recorded keeper is gone but its port still answers (a server that outlived it): never "stopped"."""
+    from tests.test_local_server_units import health_answering
+
+    env = own_env(tmp_path)
+    home = Path(env["PREFECT_HOME"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with health_answering() as port:
+        stale_file(home, gone.pid, "pid-only")
+        state = json.loads((home / local_server.STATE_NAME).read_text())
+        (home / local_server.STATE_NAME).write_text(json.dumps(dict(state, port=port)))
+        r = safepoint(env, "server", "stop", timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("safepoint: set aside a stale server file as "), r.stderr
+    assert len(lines) == 2 and lines[1].startswith("safepoint: error: a server still answers at "), r.stderr
+    assert "stopped" not in r.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.server
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -172,14 +174,22 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def answering_port():
+@contextlib.contextmanager
+def health_answering() -> Iterator[int]:
     """A port that answers /api/health, as a server that outlived its keeper would."""
     server = http.server.HTTPServer((ls.HOST, 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def answering_port():
+    with health_answering() as port:
+        yield port
 
 
 def test_stop_never_reports_a_server_that_still_answers(tmp_path, answering_port):
