@@ -88,6 +88,12 @@ def alive(ident: ProcessId) -> bool:
     return same_process(ident) and not zombie(ident.pid)
 
 
+def pid_running(pid: int) -> bool:
+    """Some process of this host, not a zombie, holds `pid` (for records that kept only a pid)."""
+    ident = identify(pid)
+    return ident is not None and alive(ident)
+
+
 def cmdline(pid: int) -> list[str]:
     """The process's arguments ([] if unreadable: gone, another user's under hidepid, or no /proc)."""
     try:
