@@ -152,28 +152,29 @@ def _write_state(home: Path, state: ServerState) -> None:
 
 def state_of(pid: int, port: int, home: Path) -> ServerState:
     """The state that names process `pid` (running now) as the keeper of `home`'s server on `port`."""
-    import prefect
+    from importlib.metadata import version  # not `import prefect`: seconds the keeper would add to every start
 
     ident = processes.identify(pid) or ProcessId(pid, "", "", "")
     return ServerState(pid=pid, port=port, home=str(home), started_at=time.time(),
-                       prefect_version=prefect.__version__, start_ticks=ident.start_ticks, host=ident.host,
+                       prefect_version=version("prefect"), start_ticks=ident.start_ticks, host=ident.host,
                        boot_id=ident.boot_id)
 
 
-def stale_reason(state: ServerState | None, now: ProcessId | None, running: bool, argv: list[str]) -> str | None:
+def stale_reason(state: ServerState | None, here: ProcessId, now: ProcessId | None, running: bool,
+                 argv: list[str]) -> str | None:
     """Why a state file names no running keeper of its server (None: it does). Pure: the caller reads /proc.
 
-    `now`: the identity that `state.pid` has on this host now (None: no such process); `running`:
-    it is no zombie; `argv`: its command line.
+    `here`: this process (its host and boot id); `now`: the identity that `state.pid` has on this
+    host now (None: no such process); `running`: it is no zombie; `argv`: its command line.
     """
     if state is None:
         return "unreadable, or written by an older Safepoint (no process start time)"
+    if state.host != here.host:
+        return f"written on host {state.host!r}, not this one ({here.host!r})"
+    if state.boot_id != here.boot_id:
+        return f"written before this host last booted (boot id {state.boot_id or 'unknown'})"
     if now is None:
         return f"its keeper (pid {state.pid}) has exited"
-    if state.host != now.host:
-        return f"written on host {state.host!r}, not this one ({now.host!r})"
-    if state.boot_id != now.boot_id:
-        return f"written before this host last booted (boot id {state.boot_id or 'unknown'})"
     if state.start_ticks != now.start_ticks:
         return f"pid {state.pid} is another process now (its keeper has exited)"
     if not running:
@@ -185,10 +186,11 @@ def stale_reason(state: ServerState | None, now: ProcessId | None, running: bool
 
 def judge(state: ServerState | None) -> str | None:
     """stale_reason for `state` against this host's processes now."""
+    here = processes.identify() or ProcessId(os.getpid(), "", "", "")
     if state is None:
-        return stale_reason(None, None, False, [])
+        return stale_reason(None, here, None, False, [])
     now = processes.identify(state.pid)
-    return stale_reason(state, now, now is not None and processes.alive(now), processes.cmdline(state.pid))
+    return stale_reason(state, here, now, now is not None and processes.alive(now), processes.cmdline(state.pid))
 
 
 def running(state: ServerState) -> bool:

@@ -147,12 +147,18 @@ def _state(**changes) -> ls.ServerState:
 KEEPER_ARGV = [sys.executable, "-m", ls.KEEPER_MODULE, "/h", "1", "1800"]
 
 
+HERE = ProcessId(1, "1", "node-a", "boot-1")  # the process judging the file
+
+
 @pytest.mark.parametrize("state, now, running, argv, reason", [
     (_state(), ProcessId(4242, "100", "node-a", "boot-1"), True, KEEPER_ARGV, None),
     (None, None, False, [], "unreadable, or written by an older Safepoint"),
     (_state(), None, False, [], "its keeper (pid 4242) has exited"),
-    (_state(), ProcessId(4242, "100", "node-b", "boot-1"), True, KEEPER_ARGV, "written on host 'node-a'"),
-    (_state(), ProcessId(4242, "100", "node-a", "boot-2"), True, KEEPER_ARGV, "written before this host last booted"),
+    (_state(host="node-b"), ProcessId(4242, "100", "node-a", "boot-1"), True, KEEPER_ARGV,
+     "written on host 'node-b', not this one ('node-a')"),
+    (_state(host="node-b"), None, False, [], "written on host 'node-b'"),  # its pid means nothing here
+    (_state(boot_id="boot-0"), ProcessId(4242, "100", "node-a", "boot-1"), True, KEEPER_ARGV,
+     "written before this host last booted"),
     (_state(), ProcessId(4242, "999", "node-a", "boot-1"), True, KEEPER_ARGV, "pid 4242 is another process now"),
     (_state(), ProcessId(4242, "100", "node-a", "boot-1"), False, KEEPER_ARGV, "its keeper (pid 4242) has exited"),
     (_state(), ProcessId(4242, "100", "node-a", "boot-1"), True, ["sleep", "300"], "is not a Safepoint server keeper"),
@@ -161,7 +167,7 @@ KEEPER_ARGV = [sys.executable, "-m", ls.KEEPER_MODULE, "/h", "1", "1800"]
 ])
 def test_a_state_file_is_trusted_only_if_pid_start_host_boot_and_command_line_match(state, now, running, argv,
                                                                                       reason):
-    got = ls.stale_reason(state, now, running, argv)
+    got = ls.stale_reason(state, HERE, now, running, argv)
     assert got is None if reason is None else reason in got, got
 
 
