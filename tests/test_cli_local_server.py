@@ -151,6 +151,13 @@ def test_server_stop_ends_it(fresh_env):
     assert safepoint(env, "server", "status").returncode == 1
 
 
+def wait_for_state(home: Path, timeout_s: float) -> local_server.ServerState | None:
+    end = time.monotonic() + timeout_s
+    while (state := local_server.read_state(home)) is None and time.monotonic() < end:
+        time.sleep(0.1)
+    return state
+
+
 def test_an_idle_embedded_server_stops_itself(tmp_path):
     """Started by `ingest` (not `server start`), the server is gone once no Safepoint client was alive
     for `idle_stop_s` (here 2 s through SAFEPOINT_SERVER_IDLE_STOP_S): its pid, port and state file."""
@@ -162,9 +169,12 @@ def test_an_idle_embedded_server_stops_itself(tmp_path):
     make_torch_save_ckpt(folder)
     try:
         assert safepoint(env, "commit", folder, "--run", "idle", "--step", 1).returncode == 0
-        r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri())
+        with ThreadPoolExecutor(1) as pool:  # the state is read while the ingest runs: once it has exited (a
+            # zombie counts as exited while `run` still reads the pipes its children hold), 2 s may be up
+            started = pool.submit(wait_for_state, home, 600)
+            r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri())
+            state = started.result()
         assert r.returncode == 0, r.stdout + r.stderr
-        state = local_server.read_state(home)
         assert state is not None
         deadline = time.monotonic() + 45  # 2 s idle, a poll of 0.5 s, then the server's own shutdown
         while local_server.running(state) and time.monotonic() < deadline:
