@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.server
+import os
 import shutil
 import subprocess
 import sys
@@ -253,3 +254,12 @@ def test_the_server_dies_with_its_keeper_even_on_sigkill(tmp_path):
     finally:
         keeper.kill()
         keeper.wait()
+
+
+def test_a_keeper_whose_server_exits_forgets_itself_at_once(tmp_path):
+    """A crashed server (OOM kill, say) leaves no state file naming a live keeper and a dead port."""
+    ls._write_state(tmp_path, ls.state_of(os.getpid(), ls.free_port(), tmp_path))  # keep() runs in this process
+    began = time.monotonic()
+    assert ls.keep(tmp_path, 0, 1800, ["sh", "-c", "sleep 0.3; exit 3"]) == 3
+    assert time.monotonic() - began < 4.0  # not after the 5 s poll
+    assert ls.read_state(tmp_path) is None
