@@ -14,7 +14,6 @@ not alive. psutil would do the same reads, but it is no runtime dependency of Sa
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -157,15 +156,22 @@ def stop_group(ident: ProcessId, grace_s: float = 30.0, poll_s: float = 0.1) -> 
 
 
 def dies_with_this_process(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A preexec_fn: the kernel sends the child `sig` when this process exits, even by SIGKILL (Linux PR_SET_PDEATHSIG).
+    """A preexec_fn: the kernel sends the child `sig` when its parent dies, even by SIGKILL (Linux PR_SET_PDEATHSIG).
 
-    So a server started by a keeper never outlives the keeper. Elsewhere it does nothing.
+    So a server started by a keeper never outlives the keeper. Strictly, it fires when the thread
+    that started the child ends: call Popen from the main thread. Elsewhere it does nothing.
     """
+    import ctypes  # here, not at the top: only the keeper pays for it; before the fork, never in the child
+
     parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no libc prctl: not Linux
+        prctl = None
 
     def arm() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:  # the parent exited before prctl took effect
             os.kill(os.getpid(), sig)
 
