@@ -11,8 +11,13 @@ seconds of start-up each time (28 s on a loaded 2-core node with a fresh PREFECT
   it once; `/api/health` says when it is up. The start-up wait is
   max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, 180 s), sized for a loaded node.
   Its UI is told its own API address (PREFECT_UI_API_URL), not Prefect's default port 4200.
-- The recorded pid is a small keeper (`python -m safepoint.flows.local_server`, the session leader)
-  whose child is the server. Every Safepoint process that uses the server registers its pid in
+- The recorded process is a small keeper (`python -m safepoint.flows.local_server`, the session
+  leader) whose child is the server; the child dies with it (PR_SET_PDEATHSIG). The state file names
+  the keeper beyond doubt: pid, process start time, host and boot id (safepoint.local.processes),
+  and its command line must be the keeper's of this PREFECT_HOME. A file that fails any of these
+  (its keeper exited, the pid was reused, another node wrote it on a shared home) is stale: it is
+  renamed to safepoint-server.json.stale with one line on stderr, nothing is signalled, and a new
+  server is started at once. Every Safepoint process that uses the server registers its pid in
   PREFECT_HOME/safepoint-clients/; once none of them is alive for `[server] idle_stop_s` seconds
   (default 1800; SAFEPOINT_SERVER_IDLE_STOP_S; 0 = never) the keeper stops the server, unless
   `safepoint server start` pinned it. `safepoint server stop` ends it at any time.
@@ -36,9 +41,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from safepoint.core.errors import SafepointError
+from safepoint.local import processes
 from safepoint.local.atomic import write_replace
+from safepoint.local.processes import ProcessId
 
 STATE_NAME = "safepoint-server.json"
+STALE_SUFFIX = ".stale"  # a state file that names no keeper of ours is renamed to this, never trusted
+KEEPER_MODULE = "safepoint.flows.local_server"
 LOCK_NAME = "safepoint-server.lock"
 LOG_NAME = "safepoint-server.log"
 PIN_NAME = "safepoint-server.pinned"  # `safepoint server start`: never stopped for idleness
@@ -60,6 +69,13 @@ class ServerState:
     home: str
     started_at: float
     prefect_version: str
+    start_ticks: str  # the keeper's identity beyond its pid: safepoint.local.processes.ProcessId
+    host: str
+    boot_id: str
+
+    @property
+    def keeper(self) -> ProcessId:
+        return ProcessId(self.pid, self.start_ticks, self.host, self.boot_id)
 
     @property
     def api_url(self) -> str:
@@ -123,6 +139,7 @@ def use_api(url: str) -> None:
 # --- the server process ------------------------------------------------------------------------------------------
 
 def read_state(home: Path) -> ServerState | None:
+    """The recorded server; None if there is no file, or one this version cannot read (see stale_reason)."""
     try:
         return ServerState(**json.loads((home / STATE_NAME).read_text()))
     except (OSError, ValueError, TypeError):
@@ -133,17 +150,76 @@ def _write_state(home: Path, state: ServerState) -> None:
     write_replace(home / STATE_NAME, json.dumps(asdict(state)).encode())  # safepoint.local.atomic
 
 
-def pid_alive(pid: int) -> bool:
+def state_of(pid: int, port: int, home: Path) -> ServerState:
+    """The state that names process `pid` (running now) as the keeper of `home`'s server on `port`."""
+    from importlib.metadata import version  # not `import prefect`: seconds the keeper would add to every start
+
+    ident = processes.identify(pid) or ProcessId(pid, "", "", "")
+    return ServerState(pid=pid, port=port, home=str(home), started_at=time.time(),
+                       prefect_version=version("prefect"), start_ticks=ident.start_ticks, host=ident.host,
+                       boot_id=ident.boot_id)
+
+
+def stale_reason(state: ServerState | None, here: ProcessId, now: ProcessId | None, running: bool,
+                 argv: list[str]) -> str | None:
+    """Why a state file names no running keeper of its server (None: it does). Pure: the caller reads /proc.
+
+    `here`: this process (its host and boot id); `now`: the identity that `state.pid` has on this
+    host now (None: no such process); `running`: it is no zombie; `argv`: its command line.
+    """
+    if state is None:
+        return "unreadable, or written by an older Safepoint (no process start time)"
+    if state.host != here.host:
+        return f"written on host {state.host!r}, not this one ({here.host!r})"
+    if state.boot_id != here.boot_id:
+        return f"written before this host last booted (boot id {state.boot_id or 'unknown'})"
+    if now is None:
+        return f"its keeper (pid {state.pid}) has exited"
+    if state.start_ticks != now.start_ticks:
+        return f"pid {state.pid} is another process now (its keeper has exited)"
+    if not running:
+        return f"its keeper (pid {state.pid}) has exited"
+    if KEEPER_MODULE not in argv or state.home not in argv:
+        return f"pid {state.pid} is not a Safepoint server keeper of {state.home} ({' '.join(argv)[:80]!r})"
+    return None
+
+
+def judge(state: ServerState | None) -> str | None:
+    """stale_reason for `state` against this host's processes now."""
+    here = processes.identify() or ProcessId(os.getpid(), "", "", "")
+    if state is None:
+        return stale_reason(None, here, None, False, [])
+    now = processes.identify(state.pid)
+    return stale_reason(state, here, now, now is not None and processes.alive(now), processes.cmdline(state.pid))
+
+
+def running(state: ServerState) -> bool:
+    """The keeper `state` names is running: same pid, start time, host, boot and command line."""
+    return judge(state) is None
+
+
+def set_aside(home: Path, reason: str) -> Path | None:
+    """Rename a stale state file out of the way (one line on stderr): never trusted, never signalled, kept to read."""
+    path = home / STATE_NAME
+    aside = path.with_name(STATE_NAME + STALE_SUFFIX)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of this very process is not alive
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
+        path.replace(aside)
+    except FileNotFoundError:
+        return None
+    print(f"safepoint: set aside a stale server file as {aside}: {reason}", file=sys.stderr, flush=True)
+    return aside
+
+
+def current(home: Path) -> ServerState | None:
+    """The recorded server if its keeper runs; a state file that names none is set aside (call under the lock)."""
+    if not (home / STATE_NAME).exists():
+        return None
+    state = read_state(home)
+    reason = judge(state)
+    if reason is None:
+        return state
+    set_aside(home, reason)
+    return None
 
 
 def healthy(api_url: str, timeout: float = 5.0) -> bool:
@@ -161,13 +237,14 @@ def wait_healthy(state: ServerState, deadline: float, poll_s: float = 0.25) -> b
     while True:
         if healthy(state.api_url):
             return True
-        if not pid_alive(state.pid) or time.monotonic() >= deadline:
+        if not running(state) or time.monotonic() >= deadline:
             return False
         time.sleep(poll_s)
 
 
 @contextlib.contextmanager
 def _locked(home: Path) -> Iterator[None]:
+    home.mkdir(parents=True, exist_ok=True)  # removed under a running keeper: made again, not a crash
     with open(home / LOCK_NAME, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -202,20 +279,17 @@ def _server_env(home: Path, port: int) -> dict[str, str]:
 
 
 def _spawn(home: Path) -> ServerState:
-    import prefect
-
     port = chosen_port()
     log = open(home / LOG_NAME, "ab")  # noqa: SIM115 - handed to the child
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "safepoint.flows.local_server", str(home), str(port), str(idle_stop_s())],
+            [sys.executable, "-m", KEEPER_MODULE, str(home), str(port), str(idle_stop_s())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=_server_env(home, port),
             cwd=home, start_new_session=True,  # outlives this command, not killed by its Ctrl-C
         )
     finally:
         log.close()
-    return ServerState(pid=proc.pid, port=port, home=str(home), started_at=time.time(),
-                       prefect_version=prefect.__version__)
+    return state_of(proc.pid, port, home)  # Popen returns after the exec: the command line is the keeper's
 
 
 def ensure_server(home: Path, timeout_s: float, on_start: Callable[[str], None] | None = None, *,
@@ -232,8 +306,8 @@ def ensure_server(home: Path, timeout_s: float, on_start: Callable[[str], None] 
         if pin:
             (home / PIN_NAME).touch()
         register_client(home)
-        state = read_state(home)
-        if state is not None and pid_alive(state.pid):
+        state = current(home)  # a stale or foreign file is set aside here: no wait, nothing signalled
+        if state is not None:
             if wait_healthy(state, deadline):
                 return state
             stop_server(home)  # alive but never answered within the whole wait: replace it
@@ -243,7 +317,7 @@ def ensure_server(home: Path, timeout_s: float, on_start: Callable[[str], None] 
         _write_state(home, state)
         if wait_healthy(state, deadline):
             return state
-        alive = pid_alive(state.pid)
+        alive = running(state)
         stop_server(home)
         raise ServerError(
             f"the local Prefect server {'did not answer within' if alive else 'exited before'} "
@@ -251,24 +325,46 @@ def ensure_server(home: Path, timeout_s: float, on_start: Callable[[str], None] 
 
 
 def stop_server(home: Path, grace_s: float = 30.0) -> ServerState | None:
-    """Stop the local server of `home` (its whole process group); None if there was none."""
-    state = read_state(home)
-    if state is None:
+    """Stop the local server of `home` (its keeper's whole process group); None if there was none.
+
+    Only a keeper that `running` recognises is signalled; a stale file is set aside. Raises
+    ServerError if the server still runs (or still answers) afterwards: never a false "stopped".
+    """
+    if not (home / STATE_NAME).exists():
         return None
-    if pid_alive(state.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(state.pid, signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        while pid_alive(state.pid) and time.monotonic() < end:
-            time.sleep(0.1)
-        if pid_alive(state.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(state.pid, signal.SIGKILL)
-    with contextlib.suppress(FileNotFoundError):
-        (home / STATE_NAME).unlink()
+    state = read_state(home)
+    reason = judge(state)
+    if reason is not None:
+        port = _recorded_port(home)
+        set_aside(home, reason)
+        if port is not None and healthy(f"http://{HOST}:{port}/api", timeout=1):
+            raise ServerError(f"a server still answers at http://{HOST}:{port}, but its state file names no keeper "
+                              f"of ours ({reason}); nothing was signalled")
+        return None
+    gone = processes.stop_group(state.keeper, grace_s)
+    if not gone or healthy(state.api_url, timeout=1):
+        raise ServerError(f"the local Prefect server (pid {state.pid}, {state.ui_url}) still runs after SIGTERM "
+                          "and SIGKILL")
+    _forget(home, state)
     with contextlib.suppress(FileNotFoundError):
         (home / PIN_NAME).unlink()
     return state
+
+
+def _recorded_port(home: Path) -> int | None:
+    """The port a state file names, in any version's form (to see whether something still answers there)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        port = json.loads((home / STATE_NAME).read_text()).get("port")
+        return port if isinstance(port, int) and 0 < port < 65536 else None
+    return None
+
+
+def _forget(home: Path, state: ServerState) -> None:
+    """Remove the state file if it still names `state`'s keeper (not one a later command started)."""
+    recorded = read_state(home)
+    if recorded is not None and recorded.keeper == state.keeper:
+        with contextlib.suppress(FileNotFoundError):
+            (home / STATE_NAME).unlink()
 
 
 def stop(home: Path) -> ServerState | None:
@@ -281,31 +377,34 @@ def stop(home: Path) -> ServerState | None:
 
 # --- clients and the keeper ----------------------------------------------------------------------------------------
 
-def _start_ticks(pid: int) -> str:
-    """The process's start time in clock ticks (/proc), so a reused pid is not taken for a client."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "0"
-
-
 def register_client(home: Path, pid: int | None = None) -> None:
     pid = pid or os.getpid()
+    ident = processes.identify(pid)
     clients = home / CLIENTS_DIR
     clients.mkdir(exist_ok=True)
-    (clients / f"{pid}-{_start_ticks(pid)}").touch()
+    (clients / f"{pid}-{(ident and ident.start_ticks) or 0}").touch()
 
 
 def live_clients(home: Path) -> list[int]:
-    """Pids of the registered clients still running; the entries of finished ones are removed."""
+    """Pids of the registered clients still running; the entries of finished ones are removed.
+
+    An entry is PID-STARTTIME (a reused pid is no client); anything else there (a directory, a
+    file of another name) is no client and is left alone.
+    """
     alive = []
-    for entry in (home / CLIENTS_DIR).glob("*-*"):
+    try:
+        entries = list((home / CLIENTS_DIR).iterdir())
+    except OSError:  # no folder (PREFECT_HOME removed), or not a folder: no clients
+        return alive
+    for entry in entries:
         pid_text, _, ticks = entry.name.partition("-")
-        pid = int(pid_text) if pid_text.isdigit() else 0
-        if pid and pid_alive(pid) and _start_ticks(pid) == ticks:
-            alive.append(pid)
+        if not pid_text.isdigit() or not ticks.isdigit() or not entry.is_file():
+            continue
+        now = processes.identify(int(pid_text))
+        if now is not None and processes.alive(now) and (now.start_ticks or "0") == ticks:
+            alive.append(now.pid)
         else:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 entry.unlink()
     return alive
 
@@ -313,15 +412,44 @@ def live_clients(home: Path) -> list[int]:
 def keep(home: Path, port: int, idle_s: float, command: list[str] | None = None) -> int:
     """The keeper: run `prefect server start` (or `command`) as a child; stop it after `idle_s` without a client.
 
-    It is the pid recorded in the state file and the leader of the process group that
-    `safepoint server stop` signals, so stopping it stops the server too.
+    It is the process the state file names and the leader of the process group that
+    `safepoint server stop` signals. Its child never outlives it: the kernel signals the child
+    when the keeper dies (PR_SET_PDEATHSIG), and every way out of here stops the child and
+    removes the state file if it still names this keeper. A removed PREFECT_HOME is made again
+    with the state file in it, so later commands and `server stop` still find this server.
     """
     command = command or [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    me = state_of(os.getpid(), port, home)
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=processes.dies_with_this_process())  # noqa: PLW1509 - one thread
+    try:
+        return _serve(home, me, proc, idle_s)
+    finally:
+        _end_child(proc)
+        with contextlib.suppress(OSError):
+            _forget(home, me)
+
+
+def _end_child(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _serve(home: Path, me: ServerState, proc: subprocess.Popen, idle_s: float) -> int:
+    """Wait on the child, stopping it after `idle_s` without a client or pin; its exit code (0 for an idle stop)."""
     poll_s = min(5.0, max(idle_s / 4, 0.2)) if idle_s > 0 else 5.0
     last_used = time.monotonic()
-    while proc.poll() is None:
-        time.sleep(poll_s)
+    while True:
+        try:
+            return proc.wait(poll_s) or 0
+        except subprocess.TimeoutExpired:
+            pass
+        if not (home / STATE_NAME).exists():
+            _reclaim(home, me)
         busy = bool(live_clients(home)) or (home / PIN_NAME).exists()  # also prunes finished clients
         if busy or idle_s <= 0:
             last_used = time.monotonic()
@@ -334,19 +462,18 @@ def keep(home: Path, port: int, idle_s: float, command: list[str] | None = None)
                 continue
             print(f"safepoint: no Safepoint client for {idle_s:.0f} s; stopping the local Prefect server",
                   flush=True)
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            state = read_state(home)
-            if state is not None and state.pid == os.getpid():
-                with contextlib.suppress(FileNotFoundError):
-                    (home / STATE_NAME).unlink()
+            _end_child(proc)
+            _forget(home, me)
         return 0
-    return proc.returncode or 0
+
+
+def _reclaim(home: Path, me: ServerState) -> None:
+    """The state file is gone (PREFECT_HOME removed, say): name this keeper again unless a new server was started."""
+    with contextlib.suppress(OSError), _locked(home):
+        if not (home / STATE_NAME).exists():
+            _write_state(home, me)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a plain kill runs keep's clean-up too
     sys.exit(keep(Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])))

@@ -7,13 +7,14 @@ started again on the same port and database, to test what happens while the serv
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from safepoint.local import processes
 
 
 def free_port() -> int:
@@ -23,21 +24,11 @@ def free_port() -> int:
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL it if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+    """SIGTERM the process group, then SIGKILL it if it lingers (safepoint.local.processes); reap the leader."""
+    ident = processes.identify(proc.pid)
+    if proc.poll() is None and ident is not None:
+        processes.stop_group(ident, grace_s)
+    proc.wait(timeout=10)
 
 
 # Services the tests do not need: fewer loops competing for two cores.

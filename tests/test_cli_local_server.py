@@ -147,8 +147,15 @@ def test_server_stop_ends_it(fresh_env):
     state = local_server.read_state(Path(env["PREFECT_HOME"]))
     r = safepoint(env, "server", "stop")
     assert r.returncode == 0 and f"pid {state.pid}" in r.stdout
-    assert not local_server.pid_alive(state.pid) and not local_server.healthy(state.api_url, timeout=1)
+    assert not local_server.running(state) and not local_server.healthy(state.api_url, timeout=1)
     assert safepoint(env, "server", "status").returncode == 1
+
+
+def wait_for_state(home: Path, timeout_s: float) -> local_server.ServerState | None:
+    end = time.monotonic() + timeout_s
+    while (state := local_server.read_state(home)) is None and time.monotonic() < end:
+        time.sleep(0.1)
+    return state
 
 
 def test_an_idle_embedded_server_stops_itself(tmp_path):
@@ -162,16 +169,130 @@ def test_an_idle_embedded_server_stops_itself(tmp_path):
     make_torch_save_ckpt(folder)
     try:
         assert safepoint(env, "commit", folder, "--run", "idle", "--step", 1).returncode == 0
-        r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri())
+        with ThreadPoolExecutor(1) as pool:  # the state is read while the ingest runs: once it has exited (a
+            # zombie counts as exited while `run` still reads the pipes its children hold), 2 s may be up
+            started = pool.submit(wait_for_state, home, 600)
+            r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri())
+            state = started.result()
         assert r.returncode == 0, r.stdout + r.stderr
-        state = local_server.read_state(home)
         assert state is not None
         deadline = time.monotonic() + 45  # 2 s idle, a poll of 0.5 s, then the server's own shutdown
-        while local_server.pid_alive(state.pid) and time.monotonic() < deadline:
+        while local_server.running(state) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not local_server.pid_alive(state.pid)
+        assert not local_server.running(state)
         assert not local_server.healthy(state.api_url, timeout=1)
         assert local_server.read_state(home) is None
         assert "no Safepoint client for 2 s" in (home / local_server.LOG_NAME).read_text()
     finally:
         local_server.stop(home)
+
+
+# --- stale and foreign state files (issue 37): nothing signalled, set aside, a new server at once -------------------
+
+def own_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SAFEPOINT_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), SAFEPOINT_HOME=str(tmp_path / "sp-home"),
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), **extra)
+    return env
+
+
+@pytest.fixture
+def victim():
+    """An unrelated live process in its own process group, with a child: what a stale pid may name now."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & wait"], start_new_session=True)
+    yield proc
+    from tests.prefect_server import stop_group
+
+    stop_group(proc, grace_s=5)
+
+
+def stale_file(home: Path, victim_pid: int, kind: str) -> None:
+    """A state file naming `victim_pid` and a dead port: as e023f1b wrote it (pid only), or in today's form with
+    the victim's own start time, or with another host's name or boot id."""
+    from safepoint.local.processes import identify
+
+    home.mkdir(parents=True, exist_ok=True)
+    record = {"pid": victim_pid, "port": local_server.free_port(), "home": str(home), "started_at": time.time(),
+              "prefect_version": "3"}
+    if kind != "pid-only":
+        ident = identify(victim_pid)
+        record.update(start_ticks=ident.start_ticks, host=ident.host, boot_id=ident.boot_id)
+        if kind == "other-host":
+            record["host"] = "node-b.cluster"
+        if kind == "other-boot":
+            record["boot_id"] = "00000000-0000-0000-0000-000000000000"
+    (home / local_server.STATE_NAME).write_text(json.dumps(record))
+
+
+def keeper_lookalike(home: Path) -> subprocess.Popen:
+    """A live process whose command line is a keeper's of `home`: only its host or boot id can tell it apart."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", local_server.KEEPER_MODULE,
+                             str(home)], start_new_session=True)
+
+
+@pytest.mark.parametrize("kind", ["pid-only", "this-host", "other-host", "other-boot"])
+def test_server_stop_never_signals_a_process_a_stale_file_names(tmp_path, victim, kind):
+    env = own_env(tmp_path)
+    home = Path(env["PREFECT_HOME"])
+    target = victim
+    if kind in ("other-host", "other-boot"):  # even a keeper's command line is not enough
+        target = keeper_lookalike(home)
+    try:
+        stale_file(home, target.pid, kind)
+        r = safepoint(env, "server", "stop", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert target.poll() is None and victim.poll() is None  # never signalled
+        assert r.stdout.strip() == f"no local Prefect server for {home}", r.stdout
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("safepoint: set aside a stale server file as "), r.stderr
+        assert not (home / local_server.STATE_NAME).exists()
+        assert json.loads((home / (local_server.STATE_NAME + local_server.STALE_SUFFIX)).read_text())["pid"] == \
+            target.pid  # kept to read
+    finally:
+        if target is not victim:
+            target.kill()
+            target.wait()
+
+
+def test_ingest_sets_a_stale_file_aside_and_starts_a_server_at_once(tmp_path, victim):
+    """e023f1b waited out 180 s on the dead port, then SIGTERMed and SIGKILLed the victim's process group."""
+    env = own_env(tmp_path, SAFEPOINT_SERVER_IDLE_STOP_S="120")
+    home = Path(env["PREFECT_HOME"])
+    folder = tmp_path / "ck"
+    make_torch_save_ckpt(folder)
+    assert safepoint(env, "commit", folder, "--run", "stale", "--step", 1).returncode == 0
+    stale_file(home, victim.pid, "pid-only")
+    try:
+        began = time.monotonic()
+        r = safepoint(env, "ingest", folder, "--to", (tmp_path / "durable").as_uri(), timeout=170)
+        took = time.monotonic() - began
+        assert r.returncode == 0 and "verified" in r.stdout, r.stdout + r.stderr
+        assert victim.poll() is None, "the victim's process group was signalled"
+        assert took < local_server.MIN_STARTUP_S, took
+        assert r.stderr.splitlines()[0].startswith("safepoint: set aside a stale server file as "), r.stderr
+        state = local_server.read_state(home)
+        assert (home / (local_server.STATE_NAME + local_server.STALE_SUFFIX)).exists()
+        assert state is not None and state.pid != victim.pid and local_server.running(state)
+    finally:
+        local_server.stop(home)
+    assert victim.poll() is None
+
+
+def test_server_stop_exits_2_while_a_server_still_answers(tmp_path):
+    """The recorded keeper is gone but its port still answers (a server that outlived it): never "stopped"."""
+    from tests.test_local_server_units import health_answering
+
+    env = own_env(tmp_path)
+    home = Path(env["PREFECT_HOME"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with health_answering() as port:
+        stale_file(home, gone.pid, "pid-only")
+        state = json.loads((home / local_server.STATE_NAME).read_text())
+        (home / local_server.STATE_NAME).write_text(json.dumps(dict(state, port=port)))
+        r = safepoint(env, "server", "stop", timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("safepoint: set aside a stale server file as "), r.stderr
+    assert len(lines) == 2 and lines[1].startswith("safepoint: error: a server still answers at "), r.stderr
+    assert "stopped" not in r.stdout

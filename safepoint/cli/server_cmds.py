@@ -3,6 +3,8 @@
 Commands that run flows start it on first use when PREFECT_API_URL is unset; these commands let a
 user start it ahead of time (e.g. before `watch --emit` and `serve`), check it, and stop it. One started
 here is pinned: it is not stopped for idleness (`[server] idle_stop_s`) until `server stop`.
+`server stop` signals only the keeper its state file names beyond doubt, and says "stopped" only
+once the server is gone (else exit 2).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def cmd_server(args) -> int:
         state = ls.ensure_server(home, ls.startup_timeout_s(), on_start=lambda text: err.print(text), pin=True)
     else:
         state = ls.read_state(home)
-        if state is None or not ls.pid_alive(state.pid) or not ls.healthy(state.api_url):
+        if state is None or not ls.running(state) or not ls.healthy(state.api_url):
             out.print(f"no local Prefect server running for {home}")
             return EXIT_NONE
     up = time.time() - state.started_at

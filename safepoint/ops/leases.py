@@ -30,6 +30,7 @@ from safepoint.core.errors import SafepointError
 from safepoint.core.format import Manifest
 from safepoint.core.naming import ingest_lease, this_host, uploads_lease_prefix, uploads_limit_name
 from safepoint.destinations.parts import is_part, part_key
+from safepoint.local.processes import pid_running
 
 
 class LeaseBusy(SafepointError):
@@ -62,17 +63,7 @@ class _Renewer(threading.Thread):
                 continue
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def holder_is_dead(holder: str | None, host: str, alive: Callable[[int], bool] = _pid_alive) -> bool:
+def holder_is_dead(holder: str | None, host: str, alive: Callable[[int], bool] = pid_running) -> bool:
     """A lease of a process of this host that no longer exists (killed -9): it will never be renewed,
     so waiting out its TTL would only delay the restart. Holders elsewhere are never judged."""
     parts = (holder or "").split(":")  # default_holder(): host:pid:random
