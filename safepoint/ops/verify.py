@@ -21,7 +21,7 @@ from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.core.verify import VerifyReport
-from safepoint.destinations import open_destination
+from safepoint.destinations import block_url, is_block_url, open_destination
 from safepoint.destinations.base import Destination
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import CountingDestination, hook
@@ -32,6 +32,8 @@ from safepoint.rules.settle import replica_state
 
 
 def _as_url(target: str) -> str:
+    if is_block_url(target):
+        return block_url(target)
     if "://" in target:
         return target.rstrip("/")
     return "file://" + str(Path(target).resolve())
