@@ -10,15 +10,13 @@ SeaweedFS with the block saved in a real Prefect server, and no AWS variable in 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 
 import pytest
 
 from safepoint.core.errors import UsageError
 from safepoint.destinations import block_url
-from tests.test_prefect_native import AWS_VARS, cli, client_env, server, snapshot  # noqa: F401
+from tests.test_prefect_native import AWS_VARS, cli, client_env, save_bucket_block, server, snapshot  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
@@ -39,15 +37,8 @@ def test_a_block_reference_names_a_block(ref):
 
 def test_a_block_destination_is_restored_verified_and_reconciled_through_its_block(client_env, s3_env,  # noqa: F811
                                                                                   tmp_path):
-    from prefect_aws import AwsCredentials, S3Bucket
-    from prefect_aws.credentials import AwsClientParameters
-
     prefect = client_env
-    name = f"ckpt-{uuid.uuid4().hex[:8]}"
-    creds = AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-                           aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
-                           aws_client_parameters=AwsClientParameters(endpoint_url=s3_env.server.endpoint))
-    S3Bucket(bucket_name=s3_env.bucket, bucket_folder=s3_env.prefix, credentials=creds).save(name)
+    name = save_bucket_block(s3_env)
     home, cat = tmp_path / "home", f"sqlite:///{tmp_path / 'catalog.db'}"
 
     def sp(*args: str):
