@@ -4,8 +4,10 @@ What reaches Prefect (parameters, payloads, deployment defaults) names a destina
 secret: a sealed URL (`s3://safepoint-ref-<id>@bucket/p`, safepoint.local.credentials) or a
 Prefect block, `block:NAME[/sub/prefix]`, an `S3Bucket` block of prefect-aws (bucket, folder and
 its `AwsCredentials`: keys, profile, region, endpoint). The process that runs the flow resolves
-them here, in memory: the destination becomes a plain `s3://bucket/prefix` URL (what the catalog
-records) and its credentials become storage options of that URL, which are never logged or stored.
+them here, in memory: a sealed URL becomes the plain URL, its credentials storage options of that
+URL; a block stays `block://NAME/sub` (what the catalog records, so restore, verify, scrub,
+reconcile and evict open it through the block again), and `open_destination` resolves it with
+`block_destination`, registered here. Credentials are never logged or stored.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from safepoint.core.config import Config
+from safepoint.core.config import Config, load_config
 from safepoint.core.errors import UsageError
 from safepoint.core.redact import split_userinfo
+from safepoint.destinations import BLOCK_SCHEME, block_url, is_block_url, register_resolver
 from safepoint.local.credentials import reveal_credentials
 
-__all__ = ["BLOCK_SCHEME", "resolve_destinations", "block_destination"]
-
-BLOCK_SCHEME = "block:"
+__all__ = ["resolve_destinations", "block_destination"]
 
 
 def _aws_options(creds: Any) -> dict[str, Any]:
@@ -46,30 +47,30 @@ def block_destination(ref: str) -> tuple[str, dict[str, Any]]:
     """`block:NAME[/sub]` -> (s3://bucket/folder/sub, storage options) from the `S3Bucket` block NAME."""
     from prefect_aws import S3Bucket
 
-    name, _, sub = ref[len(BLOCK_SCHEME):].partition("/")
-    if not name:
-        raise UsageError(f"{ref!r}: give a block name, e.g. block:my-bucket/ckpt")
+    name, _, sub = block_url(ref)[len(BLOCK_SCHEME) + 3:].partition("/")
     try:
         block = S3Bucket.load(name)
     except ValueError as e:  # Prefect says "Unable to find block document named ..."
         raise UsageError(f"{ref}: no S3Bucket block named {name!r} ({e})") from None
     path = "/".join(p.strip("/") for p in (block.bucket_folder or "", sub) if p.strip("/"))
     url = f"s3://{block.bucket_name}" + (f"/{path}" if path else "")
-    return url, _aws_options(block.credentials)
+    # Options configured for the bucket's prefix still apply; the block's credentials are laid over them.
+    return url, {**load_config().storage_options(url), **_aws_options(block.credentials)}
 
 
 def resolve_destinations(to: list[str], config: Config) -> tuple[list[str], Config]:
-    """(plain URLs, `config` with each one's credentials added to its storage options).
+    """(URLs, `config` with each one's credentials added to its storage options).
 
     The URL keeps the options configured for its prefix ([storage."s3://bucket"], e.g. an endpoint);
-    the credentials of the block or of the URL's userinfo are laid over them.
+    the credentials of the URL's userinfo are laid over them. A block stays `block://NAME/sub`: its
+    own endpoint and credentials come with it each time it is opened (block_destination).
     """
     urls: list[str] = []
     storage = dict(config.storage)
     for given in to:
         url = reveal_credentials(given) or given
-        if url.startswith(BLOCK_SCHEME):
-            url, extra = block_destination(url)
+        if is_block_url(url):
+            url, extra = block_url(url), {}  # resolved by open_destination, wherever it is opened
         else:
             clean, user, password = split_userinfo(url)
             extra = {}
@@ -79,3 +80,6 @@ def resolve_destinations(to: list[str], config: Config) -> tuple[list[str], Conf
             storage[url] = {**config.storage_options(url), **extra}
         urls.append(url)
     return urls, dataclasses.replace(config, storage=storage)
+
+
+register_resolver(BLOCK_SCHEME, block_destination)

@@ -16,6 +16,11 @@ hits `times` of them (None: all):
 - `corrupt`: flip one byte of the request body (an upload) or of the response body (a download)
   at fraction `at`.
 
+A test may also play the server's part: `on_request(method, target, headers, body) -> (headers, body)`
+sees each whole request body (only requests no fault matched) and may change it and its headers
+before it is relayed, and `on_response(method, target, status_line, headers) -> headers` may change
+the response's headers (a store that lies: tests/test_hostile_round4_store.py).
+
 Every request seen and every fault injected is recorded (`requests`, `injected`, `Fault.hits`,
 `Fault.engaged`) so tests can assert that faults really happened. `Expect: 100-continue` is
 answered by the proxy itself and not forwarded.
@@ -27,6 +32,7 @@ import re
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 KINDS = ("status", "reset", "truncate", "stall", "corrupt")
@@ -154,6 +160,9 @@ class FaultProxy:
         self._socks: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self.endpoint = ""
+        self.on_request: Callable[[str, str, list[tuple[str, str]], bytes],
+                                  tuple[list[tuple[str, str]], bytes]] | None = None
+        self.on_response: Callable[[str, str, str, list[tuple[str, str]]], list[tuple[str, str]]] | None = None
 
     # -- control -------------------------------------------------------------------------------------
     def add(self, fault: Fault) -> Fault:
@@ -252,13 +261,20 @@ class FaultProxy:
                     with self._lock:
                         self._socks.add(up)
                     upstream = _Conn(up)
-                upstream.sock.sendall(_build_head(first, headers))
-                self._relay_body(client, upstream.sock, length,
-                                 corrupt_at=int(length * fault.at) if kind == "corrupt" and fault.where == "request"
-                                 else None)
+                if self.on_request is not None and fault is None:
+                    body = self._read_all(client, length)
+                    headers, body = self.on_request(method, target, headers, body)
+                    upstream.sock.sendall(_build_head(first, headers) + body)
+                else:
+                    upstream.sock.sendall(_build_head(first, headers))
+                    self._relay_body(client, upstream.sock, length,
+                                     corrupt_at=int(length * fault.at)
+                                     if kind == "corrupt" and fault.where == "request" else None)
 
                 status_line, rheaders = _parse_head(upstream.read_head())
                 status = int(status_line.split(" ")[1])
+                if self.on_response is not None:
+                    rheaders = self.on_response(method, target, status_line, rheaders)
                 client_sock.sendall(_build_head(status_line, rheaders))
                 no_body = method == "HEAD" or status in (204, 304) or 100 <= status < 200
                 rlength = _header(rheaders, "content-length")
@@ -308,6 +324,13 @@ class FaultProxy:
                         s.close()
                     except OSError:
                         pass
+
+    @staticmethod
+    def _read_all(conn: _Conn, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            out += conn.read_some(min(n - len(out), CHUNK))
+        return bytes(out)
 
     @staticmethod
     def _drain(conn: _Conn, n: int) -> None:

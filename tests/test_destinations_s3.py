@@ -292,12 +292,16 @@ def test_endless_503_fails_cleanly_and_is_recorded(s3_env, fault_proxy, big_snap
 @pytest.mark.parametrize("checksum", ["none", "auto"])
 @pytest.mark.parametrize("times", [1, None])
 def test_bytes_damaged_in_flight_are_never_verified(s3_env, fault_proxy, big_snapshot, sqlite_catalog, times,
-                                                    checksum):
+                                                    checksum, monkeypatch):
     """A flipped byte on the way up, sent again once (then verified) or every time (never verified).
     Without a checksum the read-back catches it (corrupt); by default ("auto", CRC32 on SeaweedFS) the
     store refuses the part as it arrives (BadDigest), and only that part is resent."""
     from safepoint.core.config import Config
+    from safepoint.destinations import attestation
     from safepoint.ops import steps
+
+    monkeypatch.setattr(attestation, "TRUST_BYTES", 0)  # a store that has earned its trust: no audit read-back
+    monkeypatch.setattr(attestation, "AUDIT_FRACTION", 0.0)
 
     fault = fault_proxy.add(Fault("corrupt", method="PUT", match=r"shard-1\.bin\?.*partNumber=2", where="request",
                                   times=times))

@@ -198,17 +198,23 @@ def test_the_upload_slot_is_prefects_held_renewed_and_released(client_env, monke
         assert (global_limit(server, name).limit, global_limit(server, name).active_slots) == (2, 1)
 
 
-def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
-    """`--to block:NAME/sub`: bucket, folder, keys and endpoint from prefect-aws blocks; no AWS variable set."""
+def save_bucket_block(s3_env) -> str:
+    """An `S3Bucket` block (prefect-aws) for the test's prefix of the session's SeaweedFS; returns its name."""
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.credentials import AwsClientParameters
 
-    server = client_env
     name = f"ckpt-{uuid.uuid4().hex[:8]}"
     creds = AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
                            aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
                            aws_client_parameters=AwsClientParameters(endpoint_url=s3_env.server.endpoint))
     S3Bucket(bucket_name=s3_env.bucket, bucket_folder=s3_env.prefix, credentials=creds).save(name)
+    return name
+
+
+def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
+    """`--to block:NAME/sub`: bucket, folder, keys and endpoint from prefect-aws blocks; no AWS variable set."""
+    server = client_env
+    name = save_bucket_block(s3_env)
     cat = f"sqlite:///{tmp_path / 'catalog.db'}"
     folder = snapshot(tmp_path / "nvme", "blk", 3)
     r = cli(server, tmp_path / "home", "--catalog", cat, "ingest", str(folder), "--to", f"block:{name}/ckpt",
@@ -216,7 +222,8 @@ def test_s3_bucket_block_is_a_destination(client_env, s3_env, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout)
     assert result["state"] == "verified"
-    assert [x["url"] for x in result["replicas"]] == [f"s3://{s3_env.bucket}/{s3_env.prefix}/ckpt/blk/3"]
+    # The catalog names the block, so later operations open it through the block (test_hostile_round4_block.py).
+    assert [x["url"] for x in result["replicas"]] == [f"block://{name}/ckpt/blk/3"]
     keys = [o["Key"] for o in s3_env.server.client().list_objects_v2(
         Bucket=s3_env.bucket, Prefix=f"{s3_env.prefix}/ckpt/")["Contents"]]
     assert any(k.endswith("model.safetensors") for k in keys)

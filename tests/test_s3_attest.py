@@ -2,7 +2,9 @@
 `checksum = "SHA256"`) as the bytes arrive and returns it with HeadObject, so the upload needs no
 read-back (proof "s3-crc32", "s3-sha256"); with `checksum = "none"`, or where the store has nothing
 to show, every byte is read back as before (proof "read-back").
-Against a real SeaweedFS (what it honours: bench/s3_checksums.py)."""
+Against a real SeaweedFS (what it honours: bench/s3_checksums.py). Here each test starts with a store
+that has already earned its trust (no read-back audits); how it is earned, and lost:
+tests/test_hostile_round4_store.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from safepoint.catalog.store import open_catalog
 from safepoint.core.config import Config
 from safepoint.core.format import FileEntry
 from safepoint.core.states import ReplicaState
-from safepoint.destinations import open_destination
+from safepoint.destinations import attestation, open_destination
 from safepoint.destinations.s3 import S3Destination
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.replicate import replicate
@@ -25,6 +27,16 @@ pytestmark = pytest.mark.s3
 
 MiB = 1024 * 1024
 PARTS = {"part_size": 5 * MiB, "max_parts_in_flight": 3, "read_window": 2}
+
+
+@pytest.fixture(autouse=True)
+def earned(monkeypatch):
+    """A fresh process whose stores need no audit read-back (the probe still decides)."""
+    monkeypatch.setattr(attestation, "TRUST_BYTES", 0)
+    monkeypatch.setattr(attestation, "AUDIT_FRACTION", 0.0)
+    attestation.forget()
+    yield
+    attestation.forget()
 
 
 @pytest.fixture
@@ -139,13 +151,19 @@ def test_the_catalog_records_each_replicas_proof(s3_env, snapshot, tmp_path):
     assert {r.destination: r.proof for r in catalog.replicas(row.id)}[s3_env.url("cat-sha")] is None
 
 
-def test_the_store_is_asked_once_whether_it_refuses_a_wrong_checksum(s3_env, snapshot, monkeypatch):
-    from safepoint.destinations import s3
-
-    monkeypatch.setattr(s3, "_checks", {})
+def test_the_store_is_asked_with_a_request_like_the_next_one(s3_env, snapshot):
+    """A PUT and a part of the size class about to be sent, random bytes under a random key; asked
+    again only for a larger body (or when the random countdown runs out)."""
     dest = s3dest(s3_env, "probe", checksum="CRC32")
-    assert dest._store_checks("CRC32") is True  # SeaweedFS refuses it (BadDigest) on a PUT and on a part
-    assert list(s3._checks.values()) == [True]
+    assert dest._store_checks("CRC32", "put", 3 * MiB) is True  # SeaweedFS refuses it (BadDigest)
+    assert dest._store_checks("CRC32", "part", 5 * MiB) is True
+    (trust,) = attestation._stores.values()
+    assert trust.refused == {"put": 4 * MiB, "part": 5 * MiB} and not trust.lax
+    asked: list[tuple[str, int]] = []
+    dest._ask_store = lambda algo, kind, size: asked.append((kind, size)) or True  # type: ignore[method-assign]
+    assert dest._store_checks("CRC32", "put", 1000) and dest._store_checks("CRC32", "part", 5 * MiB)
+    assert asked == []  # already shown at those sizes
+    assert dest._store_checks("CRC32", "put", 5 * MiB) and asked == [("put", 5 * MiB)]
     client = s3_env.server.client()
     listed = client.list_objects_v2(Bucket=s3_env.bucket, Prefix=s3_env.key("probe")).get("Contents", [])
     assert listed == [] and dest.pending_uploads() == []  # the probe leaves nothing behind
@@ -157,9 +175,6 @@ def test_the_store_is_asked_once_whether_it_refuses_a_wrong_checksum(s3_env, sna
 
 def test_a_store_that_does_not_refuse_a_wrong_checksum_is_read_back(s3_env, snapshot, monkeypatch):
     """A store that kept any checksum it was sent would attest bytes nobody compared: not trusted."""
-    from safepoint.destinations import s3
-
-    monkeypatch.setattr(s3, "_checks", {})
     monkeypatch.setattr(S3Destination, "_refuses", lambda self, call, created: False)
     dest = s3dest(s3_env, "lax", checksum="SHA256")
     result = replicate(snapshot, dest)
@@ -170,9 +185,6 @@ def test_auto_sends_nothing_to_a_store_that_does_not_refuse_and_says_so_quietly(
                                                                                 caplog):
     """"auto" on a lax store: no checksum goes out (a store that cannot take one is not troubled with
     it), every byte is read back, and the log says so at INFO (nobody asked for a checksum)."""
-    from safepoint.destinations import s3
-
-    monkeypatch.setattr(s3, "_checks", {})
     monkeypatch.setattr(S3Destination, "_refuses", lambda self, call, created: False)
     dest = s3dest(s3_env, "lax-auto")
     with caplog.at_level("INFO", logger="safepoint.destinations.s3"):
@@ -187,10 +199,7 @@ def test_auto_sends_nothing_to_a_store_that_does_not_refuse_and_says_so_quietly(
 
 def test_a_store_that_gives_no_answer_is_read_back_and_asked_again(s3_env, snapshot, monkeypatch):
     """A 503 or a reset on the probe is no verdict: that upload is read back, and the next one asks again."""
-    from safepoint.destinations import s3
-
-    monkeypatch.setattr(s3, "_checks", {})
-    answers = iter([None, True, True])
+    answers = iter([None, True])
     asked: list[bool] = []
 
     def refuses(self, call, created):
@@ -199,6 +208,8 @@ def test_a_store_that_gives_no_answer_is_read_back_and_asked_again(s3_env, snaps
 
     monkeypatch.setattr(S3Destination, "_refuses", refuses)
     dest = s3dest(s3_env, "flaky")
-    assert dest._algorithm() is None and s3._checks == {}  # no answer: nothing sent, nothing remembered
-    assert dest._algorithm() == "CRC32"  # asked again: refused on the PUT and on the part
-    assert dest._algorithm() == "CRC32" and len(asked) == 3  # then remembered for the process
+    assert dest._algorithm("put", 1000) is None  # no answer: nothing sent, nothing remembered
+    (trust,) = attestation._stores.values()
+    assert trust.refused == {} and not trust.lax
+    assert dest._algorithm("put", 1000) == "CRC32"  # asked again: refused
+    assert dest._algorithm("put", 1000) == "CRC32" and len(asked) == 2  # then remembered for the process

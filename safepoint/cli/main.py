@@ -29,6 +29,7 @@ from safepoint.cli.guard import exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
 from safepoint.cli.registry import add_commands, add_global_options
 from safepoint.core.errors import SafepointError, UsageError
+from safepoint.destinations import BLOCK_SCHEME, register_resolver
 
 
 def ensure_api(on_start: Callable[[str], None] | None = None) -> str:
@@ -36,6 +37,14 @@ def ensure_api(on_start: Callable[[str], None] | None = None) -> str:
     from safepoint.flows.local_server import ensure_api as ensure
 
     return ensure(on_start=on_start)
+
+def _resolve_block(url: str) -> tuple[str, dict]:
+    """`block://NAME/sub` through its Prefect block (loaded from the API, started if need be)."""
+    ensure_api(on_start=lambda text: err.print(text))
+    from safepoint.flows.credentials import block_destination
+
+    return block_destination(url)
+
 
 def _parent(text: str | None) -> tuple[str, int] | None:
     if not text:
@@ -413,6 +422,7 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
     console_logging(args.verbose)
+    register_resolver(BLOCK_SCHEME, _resolve_block)  # catalogued block:// replicas open through their block
     # First: the sandbox's fork server imports torch while Prefect loads (`watch --emit` only sends events).
     if getattr(args, "validates", False) and not getattr(args, "emit", False):
         _prestart_sandbox()

@@ -19,7 +19,9 @@ _SAFE = "/:@!$&'()*+,;=-._~"
 
 
 def scheme_of(url: str) -> str:
-    """The URL's scheme, lower case; `file` for a plain path."""
+    """The URL's scheme, lower case; `file` for a plain path (`block:NAME/...` names a Prefect block)."""
+    if url.startswith("block:"):
+        return "block"
     scheme, sep, _ = url.partition("://")
     return scheme.lower() if sep else "file"
 
@@ -27,6 +29,8 @@ def scheme_of(url: str) -> str:
 def local_path(url: str | os.PathLike) -> Path | None:
     """The local path `url` names (a file:// or local:// URL, or a plain path); None for any other URL."""
     url = os.fspath(url)
+    if url.startswith("block:"):
+        return None
     if "://" not in url:
         return Path(unquote(url[len("file:"):])) if url.lower().startswith("file:") else Path(url)
     if scheme_of(url) not in LOCAL_SCHEMES:

@@ -1,18 +1,52 @@
 """Destinations: where replicas go. `open_destination(url)` picks the backend by scheme and wraps it
-in the one retry layer (safepoint.destinations.retrying)."""
+in the one retry layer (safepoint.destinations.retrying).
+
+`block://NAME/sub` (given as `block:NAME/sub`) names a destination kept in Prefect: an `S3Bucket`
+block with its bucket, folder, keys and endpoint. The catalog records that name, so every later
+operation (restore, verify, scrub, reconcile, evict) opens it through the block again, never as a
+same-named bucket at the default endpoint. Only the Prefect edge may load a block: it registers
+the resolver (`register_resolver`, safepoint.flows.credentials; the CLI does so lazily).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from safepoint.core.errors import UsageError
 from safepoint.core.urls import LOCAL_SCHEMES, scheme_of
 from safepoint.destinations.base import Destination
 
-__all__ = ["Destination", "open_destination"]
+__all__ = ["BLOCK_SCHEME", "Destination", "block_url", "is_block_url", "open_destination", "register_resolver"]
+
+BLOCK_SCHEME = "block"
+
+#: scheme -> resolver(url) -> (the plain URL it stands for, storage options with its credentials)
+_resolvers: dict[str, Callable[[str], tuple[str, dict[str, Any]]]] = {}
+
+
+def register_resolver(scheme: str, resolve: Callable[[str], tuple[str, dict[str, Any]]]) -> None:
+    _resolvers[scheme] = resolve
+
+
+def is_block_url(url: str) -> bool:
+    return url.startswith(f"{BLOCK_SCHEME}:")
+
+
+def block_url(ref: str) -> str:
+    """`block:NAME/sub/` or `block://NAME/sub` -> `block://NAME/sub`, the form recorded. Pure."""
+    rest = ref[len(BLOCK_SCHEME) + 1:].lstrip("/")
+    name, _, sub = rest.partition("/")
+    if not name:
+        raise UsageError(f"{ref!r}: give a block name, e.g. block:my-bucket/ckpt")
+    sub = "/".join(p for p in sub.split("/") if p)
+    return f"{BLOCK_SCHEME}://{name}" + (f"/{sub}" if sub else "")
 
 
 def open_destination(url: str, storage_options: dict[str, Any] | None = None) -> Destination:
     """The destination at `url`, every call retried while it fails transiently."""
+    if is_block_url(url):
+        return _open_block(block_url(url), storage_options)
     from safepoint.destinations.retrying import RetryingDestination
 
     return RetryingDestination(_backend(url, storage_options))
@@ -31,3 +65,15 @@ def _backend(url: str, storage_options: dict[str, Any] | None) -> Destination:
     from safepoint.destinations.fsspec_dest import FsspecDestination
 
     return FsspecDestination(url, storage_options)
+
+
+def _open_block(url: str, storage_options: dict[str, Any] | None) -> Destination:
+    """The block's own destination, named by the block URL (what snapshot_url and the catalog say)."""
+    resolve = _resolvers.get(BLOCK_SCHEME)
+    if resolve is None:
+        raise UsageError(f"{url}: a Prefect block; it is resolved where Prefect is (the safepoint command, "
+                         "or `import safepoint.flows.credentials` first)")
+    plain, options = resolve(url)  # the bucket's configured options, the block's credentials over them
+    dest = open_destination(plain, {**options, **(storage_options or {})})
+    dest.url = url
+    return dest

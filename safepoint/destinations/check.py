@@ -20,7 +20,7 @@ __all__ = ["SUPPORTED_SCHEMES", "check_destinations", "scheme_of"]
 
 #: file and S3 (botocore), plus the fsspec object stores whose writes are whole-object puts
 SUPPORTED_SCHEMES = frozenset({"file", "local", "s3", "s3a", "memory", "gs", "gcs", "az", "abfs", "abfss",
-                               "hdfs", "webhdfs"})
+                               "hdfs", "webhdfs", "block"})
 
 
 def check_destinations(urls: Iterable[str], storage_options: Any = None) -> None:
@@ -32,7 +32,7 @@ def check_destinations(urls: Iterable[str], storage_options: Any = None) -> None
             raise UsageError(f"{redact_url(url)}: unsupported destination scheme {scheme!r}; use file://, s3:// "
                              f"or one of {', '.join(sorted(SUPPORTED_SCHEMES - {'file', 'local', 's3', 's3a'}))}")
     for url in urls:
-        if scheme_of(url) in ("s3", "s3a"):
+        if scheme_of(url) in ("s3", "s3a", "block"):
             _check_bucket(url, storage_options(url) if callable(storage_options) else storage_options)
 
 
@@ -44,10 +44,14 @@ def _check_bucket(url: str, options: dict[str, Any] | None) -> None:
     """
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+    from safepoint.destinations import open_destination
     from safepoint.destinations.retry import error_code, http_status
     from safepoint.destinations.s3 import S3Destination
 
-    dest = S3Destination(url, options)
+    dest = open_destination(url, options)  # a block: its own bucket, endpoint and keys
+    if not isinstance(getattr(dest, "inner", dest), S3Destination):  # under the retry layer
+        dest.close()
+        return
     where = redact_url(url)
     try:
         dest.client.head_bucket(Bucket=dest.bucket)

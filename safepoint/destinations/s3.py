@@ -16,9 +16,10 @@ The data path, per file (docs/format.md, "Replica layout"):
   store checks on arrival (it refuses a wrong one: bench/s3_checksums.py). `attest()` then reads
   the object's stored checksum (full, or composite over the parts) with one HeadObject; when it is
   the one sent, the replica needs no read-back (proof "s3-crc32" or "s3-sha256"). That holds only
-  for a store that checks what arrives: once per process and store, a tiny PUT and a part with a
-  wrong checksum must both be refused, or nothing is attested there. A store that keeps no
-  checksum answers nothing; either way the object is read back as always;
+  for a store that checks what arrives, and the trust is earned (safepoint.destinations.attestation):
+  a PUT or part of the size about to be sent, with a wrong checksum, must be refused (asked again
+  at random), and attested objects are still read back in full until enough of them agreed, then
+  at random. A store that keeps no checksum answers nothing; either way the object is read back;
 - `MANIFEST.json`, then `COMMITTED` are written last, `COMMITTED` with `If-None-Match: *`, so only
   one writer can commit a replica. Multipart uploads left behind by an interrupted run (kill -9,
   a network that went away) are aborted before the manifest is written, and before a file's new
@@ -41,10 +42,12 @@ import base64
 import hashlib
 import logging
 import os
+import secrets
 import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,7 @@ from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, MAX_MANIFEST_BYTES
 from safepoint.core.hashing import new_hasher
 from safepoint.core.naming import snapshot_key
 from safepoint.core.redact import redact, split_userinfo
-from safepoint.destinations import retry
+from safepoint.destinations import attestation, retry
 from safepoint.destinations.base import (
     Capabilities,
     Destination,
@@ -81,9 +84,6 @@ def _is_not_found(e: BaseException) -> bool:
     return _code(e) in NOT_FOUND or retry.http_status(e) == 404
 
 
-#: (endpoint, bucket, algorithm) -> whether that store refuses a wrong checksum (see _store_checks)
-_checks: dict[tuple[str, str, str], bool] = {}
-_checks_lock = threading.Lock()
 #: what stores answer to a wrong checksum or Content-MD5
 REFUSED = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"})
 
@@ -216,7 +216,7 @@ class S3Destination(Destination):
         self._client_obj: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._fetch_pool: BufferPool | None = None
-        self._sent: dict[str, tuple[str, str]] = {}  # key -> (algorithm, stored checksum its upload implies)
+        self._sent: dict[str, _Sent] = {}  # key -> what its upload sent, and the checksum it implies
 
     # -- plumbing ----------------------------------------------------------------------------------
     @property
@@ -280,20 +280,25 @@ class S3Destination(Destination):
 
     def upload(self, run: str, step: int, entry: FileEntry, source: Path) -> str:
         key = self._key(run, step, entry.path)
-        self._remember(key, None, None)  # what an earlier upload of this key implied holds no more
-        algo = self._algorithm()
-        if entry.size <= max(self.tuning.part_size, SMALL):
+        self._remember(key, None)  # what an earlier upload of this key implied holds no more
+        single = entry.size <= max(self.tuning.part_size, SMALL)
+        kind, body = ("put", entry.size) if single else ("part", plan_parts(entry.size, self.tuning.part_size)[0][1])
+        algo = self._algorithm(kind, body)
+        if algo:
+            with attestation.lock:
+                self._trust(algo).spend(entry.size)
+        if single:
             return self._upload_single(key, entry, source, algo)
         if entry.size <= self.tuning.stream_put_max and not algo:
             return self._upload_streamed(key, entry, source)
-        return self._upload_multipart(key, entry, source, algo)
+        return self._upload_multipart(key, entry, source, algo, body)
 
-    def _algorithm(self) -> str | None:
-        """The checksum to send: the one asked for, or for "auto" CRC32 where the store is seen to
-        refuse a wrong one (asked once per process and store), else none (the replica is read back)."""
+    def _algorithm(self, kind: str, body: int) -> str | None:
+        """The checksum to send with a `kind` request ("put" or "part") of `body` bytes: the one asked
+        for, or for "auto" CRC32 where the store is seen to refuse a wrong one, else none (read back)."""
         if self.tuning.checksum != "AUTO":
             return self.tuning.checksum
-        return "CRC32" if self._store_checks("CRC32") else None
+        return "CRC32" if self._store_checks("CRC32", kind, body) else None
 
     def _upload_streamed(self, key: str, entry: FileEntry, source: Path) -> str:
         """One PUT streamed from the file through one pooled buffer (see _StreamBody)."""
@@ -361,14 +366,14 @@ class S3Destination(Destination):
                 self._call("put_object", f"PUT {self._where(key)}", **params)
             except _client_error() as e:
                 raise self._fail(e, f"PUT {self._where(key)}") from e
-            self._remember(key, algo, params.get(_FIELD.get(algo or "", "")))
+            self._remember(key, _Sent(algo, params.get(_FIELD.get(algo or "", "")), digest, "put", entry.size))
             return digest
         finally:
             os.close(fd)
             if buf is not None:
                 self.pool.release(buf)
 
-    def _upload_multipart(self, key: str, entry: FileEntry, source: Path, algo: str | None) -> str:
+    def _upload_multipart(self, key: str, entry: FileEntry, source: Path, algo: str | None, part: int) -> str:
         where = self._where(key)
         self._abort_uploads(key, exact=True)  # a leftover of an interrupted run of this very file
         create = {"Bucket": self.bucket, "Key": key, **self._settings.extra_put}
@@ -411,7 +416,7 @@ class S3Destination(Destination):
                 if head is None or int(head["ContentLength"]) != entry.size:
                     raise self._fail(e, f"complete upload {where}") from e
             completed = True
-            self._remember(key, algo, composite)
+            self._remember(key, _Sent(algo, composite, digest, "part", part))
             return digest
         except _LocalChanged:
             return hasher.hexdigest()  # shorter than the manifest says: changed, never stored
@@ -437,59 +442,85 @@ class S3Destination(Destination):
             self.pool.release(buf)
         return {"PartNumber": number, "ETag": r["ETag"], **extra}
 
-    def _remember(self, key: str, algo: str | None, stored: str | None) -> None:
+    def _remember(self, key: str, sent: _Sent | None) -> None:
         with self._lock:
-            if stored and algo:
-                self._sent[key] = (algo, stored)
+            if sent is not None and sent.algo and sent.stored:
+                self._sent[key] = sent
             else:
                 self._sent.pop(key, None)
 
     def attest(self, run: str, step: int, relpath: str, size: int) -> str | None:
         """"s3-sha256" / "s3-crc32" when the object this destination just uploaded is stored with the
-        checksum sent with it (checked by the store as the bytes arrived) and the right size; None:
-        read it back."""
+        checksum sent with it (checked by the store as the bytes arrived) and the right size, from a
+        store that has earned it; "read-back" when it was read back in full all the same and found as
+        sent (see safepoint.destinations.attestation); None: read it back."""
         key = self._key(run, step, relpath)
         with self._lock:
-            algo, expected = self._sent.pop(key, (None, None))
-        if algo is None:
-            return None
-        if not self._store_checks(algo):
+            sent = self._sent.pop(key, None)
+        if sent is None or not self._store_checks(sent.algo, sent.kind, sent.body):
             return None
         head = self._head(key, ChecksumMode="ENABLED")
-        if head is None or int(head["ContentLength"]) != size or head.get(_FIELD[algo]) != expected:
+        if head is None or int(head["ContentLength"]) != size or head.get(_FIELD[sent.algo]) != sent.stored:
             return None
-        return f"s3-{algo.lower()}"
+        with attestation.lock:
+            trust = self._trust(sent.algo)
+            check = trust.audit_next()
+        if not check:
+            return f"s3-{sent.algo.lower()}"
+        found = self.digest(run, step, relpath)
+        with attestation.lock:
+            if found == sent.blake3:
+                trust.confirmed += size
+            else:
+                trust.lax = True
+        if found == sent.blake3:
+            return "read-back"
+        log.warning("%s attested its %s checksum of %s but holds other bytes: nothing it attests is taken "
+                    "again by this process", self.url, sent.algo, self._where(key))
+        return None
 
-    def _store_checks(self, algo: str) -> bool:
-        """Whether this store refuses a wrong `algo` checksum on a PUT and on a part (asked once per process).
+    def _trust(self, algo: str) -> attestation.StoreTrust:
+        """What this process knows of this store for `algo` (call with attestation.lock held)."""
+        return attestation.store((str(self.client.meta.endpoint_url), self.bucket, algo), self.tuning.part_size)
+
+    def _store_checks(self, algo: str, kind: str, body: int) -> bool:
+        """Whether this store refuses a wrong `algo` checksum on a `kind` request of `body` bytes.
 
         A store that kept whatever checksum it was sent, unchecked, would make attest() vouch for
-        bytes nobody compared; this asks it to take a wrong one, and only a refusal counts. A store
-        that gave no answer (a 503, a reset) is read back this time and asked again next time.
+        bytes nobody compared; this asks it to take a wrong one, as a request like the one that
+        goes next (attestation.probe_size), and only a refusal counts. A store that gave no answer
+        (a 503, a reset) is read back this time and asked again next time.
         """
-        ident = (str(self.client.meta.endpoint_url), self.bucket, algo)
-        with _checks_lock:  # held while asking: the files uploaded in parallel wait for one answer
-            if ident not in _checks:
-                answer = self._ask_store(algo)
+        with attestation.lock:  # held while asking: the files uploaded in parallel wait for one answer
+            trust = self._trust(algo)
+            if trust.needs_probe(kind, body):
+                size = attestation.probe_size(body, self.tuning.part_size)
+                answer = self._ask_store(algo, kind, size)
                 if answer is None:
                     return False
-                _checks[ident] = answer
-            return _checks[ident]
+                if answer:
+                    trust.refused[kind] = max(trust.refused.get(kind, 0), size)
+                else:
+                    trust.lax = True
+            return not trust.lax
 
-    def _ask_store(self, algo: str) -> bool | None:
-        key = "/".join(p for p in (self.prefix, f".safepoint-checksum-probe-{os.getpid()}-{threading.get_ident()}")
-                       if p)
-        wrong = {_FIELD[algo]: base64.b64encode(_RAW[algo](b"not the body")).decode()}
+    def _ask_store(self, algo: str, kind: str, size: int) -> bool | None:
+        """Send random bytes of `size` as a PUT or a part (`kind`) under a random key, with a wrong checksum."""
+        key = "/".join(p for p in (self.prefix, secrets.token_hex(8)) if p)
+        body = os.urandom(size)
+        right = _RAW[algo](body)
+        wrong = {_FIELD[algo]: base64.b64encode(bytes([right[0] ^ 1]) + right[1:]).decode()}
         # Plain client calls: Safepoint's retries would resend a refused checksum as damage in flight.
-        checks = self._refuses(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=b"body", **wrong),
-                               key)
-        if checks:
+        if kind == "put":
+            checks = self._refuses(lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **wrong),
+                                   key)
+        else:
             upload_id = None
             try:
                 upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key,
                                                                 ChecksumAlgorithm=algo)["UploadId"]
                 checks = self._refuses(lambda: self.client.upload_part(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"body", **wrong), None)
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=body, **wrong), None)
             except Exception as e:  # noqa: BLE001 - a store that cannot even say: read back
                 log.info("%s: could not ask whether it checks %s on parts: %s", self.url, algo, retry.describe(e))
                 checks = None if retry.is_retryable(e) else False
@@ -500,8 +531,8 @@ class S3Destination(Destination):
             log.info("%s gave no answer on whether it checks %s: read back, and asked again later", self.url, algo)
         elif not checks:  # a warning where the checksum was asked for; "auto" just reads back
             log.log(logging.INFO if self.tuning.checksum == "AUTO" else logging.WARNING,
-                    "%s does not refuse a wrong %s checksum: its replicas are read back, not attested",
-                    self.url, algo)
+                    "%s does not refuse a wrong %s checksum on a %d-byte %s: its replicas are read back, "
+                    "not attested", self.url, algo, size, "part" if kind == "part" else "PUT")
         return checks
 
     def _refuses(self, call: Callable[[], Any], created: str | None) -> bool | None:
@@ -826,6 +857,18 @@ class S3Destination(Destination):
         if found:
             log.info("aborted %d unfinished multipart upload(s) under %s", len(found), self._where(prefix))
         return len(found)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What one upload sent: the checksum algorithm and the stored checksum it implies, the BLAKE3
+    of the bytes, and the kind and size of its requests (what a probe must look like)."""
+
+    algo: str | None
+    stored: str | None
+    blake3: str
+    kind: str
+    body: int
 
 
 #: the additional checksums Safepoint sends (`checksum` option): request field, and the raw digest

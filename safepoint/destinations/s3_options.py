@@ -19,8 +19,9 @@ Safepoint's own tuning keys (removed before the rest goes to s3fs):
 - `read_window` (4): ranged GETs in flight per object during read-back.
 - `checksum` (`"auto"`): the checksum sent with every PUT and part, which the server validates as
   the bytes arrive; where the store returns it (HeadObject), it stands for the read-back of the
-  replica (S3Destination.attest). `"auto"` sends CRC32 to a store seen to refuse a wrong one (asked
-  once per process and store) and nothing elsewhere, where every byte is then read back. `"CRC32"`
+  replica (S3Destination.attest) once the store has earned it (safepoint.destinations.attestation).
+  `"auto"` sends CRC32 to a store seen to refuse a wrong one (a probe like the next request, asked
+  again at random) and nothing elsewhere, where every byte is then read back. `"CRC32"`
   or `"SHA256"` always send that one (a store that takes a wrong one unchecked is still read back);
   `"none"` sends nothing and always reads back. SHA-256 costs about 1.3 s of CPU per GiB on each end
   (measured on this project's machines); CRC32 (32 bits: for damage, not for an adversary) about a

@@ -2,9 +2,12 @@
 
 Prefect stores a flow run's parameters, and an event's payload, in its database, and its UI and
 API show them. So before a URL with userinfo (`s3://KEY:SECRET@bucket/p`,
-`postgresql://u:PASSWORD@host/db`) becomes a parameter or a payload, `hide_credentials` writes it to a file
-of its own under `$SAFEPOINT_HOME/credentials/` (mode 0600, folder 0700) and returns the URL with
-the userinfo replaced by a reference: `s3://safepoint-ref-<id>@bucket/p`. `redact` strips that
+`postgresql://u:PASSWORD@host/db`) or a secret in its query or fragment (`?password=...`,
+`&X-Amz-Signature=...`, `#access_token=...`: safepoint.core.redact.is_secret_param) becomes a
+parameter or a payload, `hide_credentials` writes it to a file of its own under `$SAFEPOINT_HOME/credentials/`
+(mode 0600, folder 0700) and returns the URL with the userinfo replaced by a reference and those
+parameters left out: `s3://safepoint-ref-<id>@bucket/p`. The other parameters stay, as written, so
+the sealed URL still says what it points at (`?options=-csearch_path%3Dexp`). `redact` strips that
 like any userinfo, so the catalog and logs hold `s3://bucket/p`; `reveal_credentials`, in the process that
 runs the flow, reads the URL back. The id is a keyed hash (the key is a random file beside the
 references), so sealing the same URL twice gives the same reference and the id reveals nothing.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from safepoint.core.errors import UsageError
 from safepoint.core.naming import credentials_dir
-from safepoint.core.redact import redact_url, split_userinfo
+from safepoint.core.redact import redact_url, split_userinfo, without_secrets
 from safepoint.local.atomic import write_exclusive, write_replace
 
 __all__ = ["REF_PREFIX", "hide_credentials", "hides_credentials", "reveal_credentials"]
@@ -48,11 +51,12 @@ def _key(folder: Path) -> bytes:
 
 
 def hide_credentials(url: str | None) -> str | None:
-    """`url` with its userinfo stored here and replaced by a reference; unchanged when it has none."""
-    if not url:
+    """`url` stored here, and returned with its userinfo replaced by a reference and its secret
+    parameters left out; unchanged when it has neither (or is sealed already)."""
+    if not url or "://" not in url or hides_credentials(url):
         return url
-    clean, user, password = split_userinfo(url)
-    if user is None or (password is None and _REF_RE.match(user)):
+    clean = without_secrets(url)
+    if split_userinfo(url)[1] is None and clean == url:
         return url
     folder = _folder()
     ref = hmac.new(_key(folder), url.encode(), hashlib.sha256).hexdigest()[:32]

@@ -22,7 +22,7 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.core.urls import local_path, path_url
 from safepoint.core.verify import VerifyReport
-from safepoint.destinations import open_destination
+from safepoint.destinations import block_url, is_block_url, open_destination
 from safepoint.destinations.base import Destination
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import CountingDestination, hook
@@ -33,6 +33,8 @@ from safepoint.rules.settle import replica_state
 
 
 def _as_url(target: str) -> str:
+    if is_block_url(target):
+        return block_url(target)
     if "://" in target:
         return target.rstrip("/")
     return path_url(Path(target).resolve())

@@ -129,8 +129,13 @@ ATTESTED = [c for c in CASES if c[0] in ("reset during a part upload", "503 stor
 @pytest.mark.parametrize("name, faults, expect, checksum",
                          [(*c, "none") for c in CASES] + [(*c, "auto") for c in ATTESTED],
                          ids=[c[0] for c in CASES] + [f"{c[0]}, attested" for c in ATTESTED])
-def test_s3_fault(name, faults, expect, checksum, s3_env, fault_proxy, snap_folder, sqlite_catalog):
+def test_s3_fault(name, faults, expect, checksum, s3_env, fault_proxy, snap_folder, sqlite_catalog, monkeypatch):
+    from safepoint.destinations import attestation
     from tests.faultproxy import Fault
+
+    # A store that has earned its trust (no audit read-back): what the faults do to attestation alone.
+    monkeypatch.setattr(attestation, "TRUST_BYTES", 0)
+    monkeypatch.setattr(attestation, "AUDIT_FRACTION", 0.0)
 
     sub = "f" + str(abs(hash((name, checksum))) % 10**8)
     url = s3_env.url(sub)
