@@ -22,7 +22,7 @@ from typing import Any
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, load_config
 from safepoint.core.errors import FormatError, SafepointError
-from safepoint.core.format import digest_bytes
+from safepoint.core.format import Manifest, digest_bytes
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
@@ -85,7 +85,7 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     if skip_if_verified and already_done(catalog, snap, to):
         row = catalog.get(m.run, m.step)
         log.info("%s/%s is already verified; nothing to do", row.run, row.step)
-        out = steps.outcome(catalog, row.id, "already verified")
+        out = steps.outcome(catalog, row.id, "already verified", part=_part(m))
         detail = done_detail(snap, snapshot, event_id, out, [], t0, None, skipped=True)
         record_done(catalog, row.id, detail)
         return IngestReport(out, row.id, detail)
@@ -113,11 +113,15 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
         elif runner.run("settle-replication", steps.settle, catalog, checkpoint_id, results) is CS.REPLICATED:
             runner.run("validate", validate_checkpoint, catalog, checkpoint_id, snap, model=factory, config=config,
                        judged=judged)
-    out = steps.outcome(catalog, checkpoint_id)
+    out = steps.outcome(catalog, checkpoint_id, part=_part(m))
     detail = done_detail(snap, snapshot, event_id, out, results, t0, mem.min_ratio)
     runner.run("record-ingest", record_done, catalog, checkpoint_id, detail)
     log.info("%s/%s ended %s", out.run, out.step, out.state)
     return IngestReport(out, checkpoint_id, detail)
+
+
+def _part(m: Manifest) -> str | None:
+    return part_key(m.held_ranks) if is_part(m) else None
 
 
 def replicate_one(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
@@ -198,7 +202,7 @@ def done_detail(snap: LocalSnapshot, snapshot: str, event_id: str | None, out: I
     uploaded = sum(r.bytes_uploaded for r in results)
     return {
         "event_id": event_id, "snapshot": snapshot, "run": m.run, "step": m.step, "node": m.node,
-        "part": part_key(m.held_ranks) if is_part(m) else None, "ranks": list(m.held_ranks),
+        "part": _part(m), "ranks": list(m.held_ranks),
         "manifest_blake3": digest_bytes(snap.manifest_bytes), "state": str(out.state),
         "files": len(m.files), "bytes": m.total_bytes, "bytes_uploaded": uploaded,
         "bytes_reused": sum(r.bytes_reused for r in results), "seconds": round(seconds, 4),

@@ -18,7 +18,6 @@ from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointRow
 from safepoint.core.config import Config
 from safepoint.core.errors import CatalogError, FormatError, SafepointError
-from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 from safepoint.core.format import MARKER_NAME, Manifest, digest_bytes, parse_marker
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
@@ -28,6 +27,7 @@ from safepoint.destinations import open_destination
 from safepoint.destinations.parts import PartDestination, check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot, read_small
 from safepoint.ops.replicate import Progress, ReplicaResult, replicate
+from safepoint.rules.outcome import Decision, decide
 from safepoint.rules.settle import settle_replication
 
 log = logging.getLogger("safepoint")
@@ -40,14 +40,21 @@ class IngestOutcome:
     state: CS
     replicas: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
+    part: str | None = None  # this node's part of a multi-node checkpoint (its key), else None
+
+    def result(self) -> dict[str, Any]:
+        """The outcome as plain data: the ingest flow's return value and the CLI's `--json`."""
+        return {"run": self.run, "step": self.step, "state": str(self.state), "replicas": self.replicas,
+                "message": self.message, "part": self.part}
+
+    @property
+    def decision(self) -> Decision:
+        """Verdict, final run state and exit code, by the one outcome rule (safepoint.rules.outcome)."""
+        return decide(self.result())
 
     @property
     def exit_code(self) -> int:
-        if self.state is CS.VERIFIED:
-            return EXIT_OK
-        if self.state in (CS.CORRUPT, CS.INVALID, CS.INCOMPLETE):
-            return EXIT_BAD
-        return EXIT_ERROR
+        return self.decision.exit_code
 
 
 def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
@@ -144,10 +151,10 @@ def failed_result(url: str, e: BaseException) -> ReplicaResult:
                          error=f"{redact_url(url)}: {_why(e)}")
 
 
-def outcome(catalog: Catalog, checkpoint_id: int, message: str = "") -> IngestOutcome:
+def outcome(catalog: Catalog, checkpoint_id: int, message: str = "", part: str | None = None) -> IngestOutcome:
     row = catalog.get_by_id(checkpoint_id)
     reps = [{"url": r.url, "state": str(r.state), "error": r.error} for r in catalog.replicas(checkpoint_id)]
-    return IngestOutcome(row.run, row.step, row.state, reps, message or (row.error or ""))
+    return IngestOutcome(row.run, row.step, row.state, reps, message or (row.error or ""), part)
 
 
 def settle_copies(catalog: Catalog, checkpoint_id: int) -> CS:
