@@ -109,7 +109,7 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
             log.info("%s/%s part %s: %s (%s)", m.run, m.step, part_key(m.held_ranks), settled.state,
                      settled.message)
             if settled.won:
-                runner.run("validate", validate_assembled, catalog, checkpoint_id, config, factory)
+                runner.run("validate", assemble.validate_assembled, catalog, checkpoint_id, config, factory)
         elif runner.run("settle-replication", steps.settle, catalog, checkpoint_id, results) is CS.REPLICATED:
             runner.run("validate", validate_checkpoint, catalog, checkpoint_id, snap, model=factory, config=config,
                        judged=judged)
@@ -164,12 +164,6 @@ def reconcile_scope(catalog: Catalog, run: str, step: int, to: list[str], config
     if any(s.done for s in report.steps) or report.errors:
         log.info("reconcile %s/%s: %s%s", run, step, done, f"; errors: {report.errors}" if report.errors else "")
     return done
-
-
-def validate_assembled(catalog: Catalog, checkpoint_id: int, config: Config, model: str | None) -> CS:
-    """Validate the assembled checkpoint from its replica: no single node holds every shard."""
-    with assemble.assembled_snapshot(catalog, checkpoint_id, config) as merged:
-        return validate_checkpoint(catalog, checkpoint_id, merged, model=model, config=config)
 
 
 def record_done(catalog: Catalog, checkpoint_id: int, detail: dict[str, Any]) -> None:
