@@ -39,7 +39,7 @@ from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.fetch import fetched_copy
 from safepoint.ops.replicate import Progress, ReplicaResult
 from safepoint.ops.runner import INLINE, StepRunner
-from safepoint.ops.steps import replicate_to
+from safepoint.ops.steps import replicate_to, walk
 from safepoint.rules.completeness import Assessment, Completeness, assess
 from safepoint.rules.restore import Outcome, Source
 from safepoint.rules.settle import settle_replication
@@ -125,11 +125,9 @@ def try_assemble(catalog: Catalog, checkpoint_id: int, urls: list[str], config: 
             dest.close()
     if not assembled:
         return Settled(catalog.get_by_id(checkpoint_id).state, message="; ".join(notes))
-    # A set completed late (after the timeout, or after a failed part was re-sent) re-opens first.
-    catalog.transition(checkpoint_id, CS.REPLICATING, expect={CS.COMMITTED, CS.INCOMPLETE},
-                       detail={"reason": "the set of parts completed"})
-    won = catalog.transition(checkpoint_id, CS.REPLICATED, expect={CS.REPLICATING},
-                             detail={"parts": sorted(parts, key=int)})
+    # A set completed late (after the timeout, or after a failed part was re-sent) re-opens on the way.
+    won = walk(catalog, checkpoint_id, CS.REPLICATED, start={*IN_FLIGHT, CS.INCOMPLETE},
+               detail={"reason": "the set of parts completed", "parts": sorted(parts, key=int)})
     return Settled(catalog.get_by_id(checkpoint_id).state, won=won, message="all parts assembled")
 
 

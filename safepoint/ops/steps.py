@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from safepoint.local.snapshot import LocalSnapshot, read_small
 from safepoint.ops.replicate import Progress, ReplicaResult, replicate
 from safepoint.rules.outcome import Decision, decide
 from safepoint.rules.settle import settle_replication
+from safepoint.rules.transitions import path
 
 log = logging.getLogger("safepoint")
 
@@ -62,14 +64,33 @@ def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
     row = catalog.record_commit(snap.manifest, digest_bytes(snap.manifest_bytes), str(snap.root))
     if row.state is CS.PRUNED:
         raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
-    # A validation that a crash interrupted leaves `validating`, from which there is no way back to
-    # `replicating`: step back through `replicated` so that the re-ingest takes the work over.
-    catalog.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING}, detail={"why": "re-ingest"})
-    catalog.transition(row.id, CS.REPLICATING)
+    # From wherever it is (a validation a crash interrupted left `validating`: back through `replicated`).
+    walk(catalog, row.id, CS.REPLICATING, detail={"why": "re-ingest"})
     row = catalog.get_by_id(row.id)
     if row.state is CS.PRUNED:  # retention marked it between record_commit and the transition
         raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
     return row
+
+
+def walk(catalog: Catalog, checkpoint_id: int, to: CS, *, start: Iterable[CS] | None = None,
+         error: str | None = None, detail: dict[str, Any] | None = None) -> bool:
+    """Move a checkpoint to `to` along the rule's walk (safepoint.rules.transitions.path), each hop a
+    guarded transition; only from a state in `start` (default: any). True when this caller made the
+    last hop; False when the state is not in `start`, there is no walk, or others keep moving it."""
+    for _ in range(10):
+        state = catalog.get_by_id(checkpoint_id).state
+        hops = path(state, to) if start is None or state in start else ()
+        if not hops:
+            return False
+        for i, nxt in enumerate(hops):
+            last = i == len(hops) - 1
+            if not catalog.transition(checkpoint_id, nxt, expect={state}, error=error if last else None,
+                                      detail=detail):
+                break  # another writer moved it: read it again
+            state = nxt
+        else:
+            return True
+    return False
 
 
 def replicate_to(
