@@ -13,6 +13,7 @@ from safepoint.catalog.views import CheckpointRow, ReplicaRow
 from safepoint.core.errors import CatalogError
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import ReplicaState
+from safepoint.rules.transitions import replica_allowed
 
 
 class Replicas(CatalogBase):
@@ -38,7 +39,7 @@ class Replicas(CatalogBase):
                            .with_for_update(read=True)).first()
             if ck is None:
                 raise CatalogError(f"no checkpoint with id {checkpoint_id}")
-            if ck.state == C.PRUNED.value and state is not ReplicaState.DELETED:
+            if not replica_allowed(C(ck.state), state):
                 return False
             prev = s.execute(sa.select(Replica.state, Replica.error)
                              .where(Replica.checkpoint_id == checkpoint_id, Replica.url == url)).first()

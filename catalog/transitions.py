@@ -11,7 +11,8 @@ from safepoint.catalog.base import C, CatalogBase
 from safepoint.catalog.models import Checkpoint, Run, utcnow
 from safepoint.catalog.views import CheckpointView
 from safepoint.core.redact import redact
-from safepoint.core.states import CheckpointState, can_transition
+from safepoint.core.states import CheckpointState
+from safepoint.rules.transitions import allowed, sources
 
 
 class Transitions(CatalogBase):
@@ -26,17 +27,15 @@ class Transitions(CatalogBase):
         A lost race re-reads and retries while the new state is still an allowed source.
         """
         to = C(to)
-        sources = {x for x in C if can_transition(x, to)}
-        if expect is not None:
-            sources &= {C(x) for x in expect}
-        if not sources:
+        froms = sources(to, expect)
+        if not froms:
             return False
-        allowed = sorted(x.value for x in sources)
+        allowed_from = sorted(x.value for x in froms)
         for _ in range(50):
             with self._write() as s:
                 cur = s.execute(sa.select(Checkpoint.state, Checkpoint.version, Checkpoint.run_id)
                                 .where(Checkpoint.id == checkpoint_id)).first()
-                if cur is None or C(cur.state) not in sources:
+                if cur is None or C(cur.state) not in froms:
                     return False
                 now = utcnow()
                 values: dict[str, Any] = {"state": to.value, "version": Checkpoint.version + 1,
@@ -45,7 +44,7 @@ class Transitions(CatalogBase):
                     values["error"] = redact(error)
                 res = s.execute(
                     sa.update(Checkpoint)
-                    .where(Checkpoint.id == checkpoint_id, Checkpoint.state.in_(allowed),
+                    .where(Checkpoint.id == checkpoint_id, Checkpoint.state.in_(allowed_from),
                            Checkpoint.version == cur.version)
                     .values(**values).execution_options(synchronize_session=False)
                 )
@@ -104,11 +103,11 @@ class Transitions(CatalogBase):
             q = (sa.select(*self._VIEW_COLS).join(Run, Checkpoint.run_id == Run.id).where(*where)
                  .order_by(Checkpoint.step))
             views = self._views(s, q, replicas_where=where)
-            allowed = wanted & set(recheck(views))
+            chosen = wanted & set(recheck(views))
             now = utcnow()
             marked: list[CheckpointView] = []
             for v in views:
-                if v.id not in allowed or not can_transition(v.state, C.PRUNED):
+                if v.id not in chosen or not allowed(v.state, C.PRUNED):
                     continue
                 res = s.execute(
                     sa.update(Checkpoint).where(Checkpoint.id == v.id, Checkpoint.version == v.version)

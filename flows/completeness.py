@@ -1,4 +1,4 @@
-"""The periodic completeness check of multi-node checkpoints (safepoint.ops.assemble.apply_timeouts).
+"""The periodic completeness check of multi-node checkpoints (safepoint.ops.assemble.check_completeness).
 
 Deployed on an interval (prefect.yaml `completeness`, `safepoint serve`). It never waits: it marks
 sets that stayed partial past `[multinode] timeout_s` as `incomplete`, and assembles and validates
@@ -15,7 +15,6 @@ from safepoint.catalog.store import open_catalog
 from safepoint.core.config import load_config
 from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.ops import assemble
-from safepoint.ops.ingest import validate_assembled
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
 
@@ -27,15 +26,10 @@ def check_completeness(run: str | None = None, catalog_url: str | None = None) -
     config = load_config()
     catalog_url = catalog_url or config.catalog_url
     catalog = open_catalog(catalog_url)
-    steps = PrefectSteps()
-    actions = steps.run("apply-timeouts", assemble.apply_timeouts, catalog, config, run=run)
     out = []
-    for a in actions:
+    for a in assemble.check_completeness(catalog, config, run=run, runner=PrefectSteps()):
         logger.info("%s/%s -> %s: %s", a.run, a.step, a.state, a.assessment.summary())
-        state = a.state
         if a.validate:
-            state = steps.run("validate", validate_assembled, catalog, a.checkpoint_id, config,
-                              config.run_setting(a.run, "model"))
             publish_validation_report(catalog, a.checkpoint_id)
-        out.append({"run": a.run, "step": a.step, "state": str(state), "missing_ranks": list(a.assessment.missing)})
+        out.append({"run": a.run, "step": a.step, "state": str(a.state), "missing_ranks": list(a.assessment.missing)})
     return out

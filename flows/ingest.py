@@ -4,7 +4,8 @@ The composition is the library's (the CLI without a flow runs the very same code
 adds what only Prefect has: tasks with retries in the UI, markdown/table artifacts, runs named
 `ingest-RUN-STEP`, Safepoint's log lines in the run's logs, and a run state that tells the
 outcome: Completed for a verified checkpoint (or a part delivered and waiting for the others),
-Failed with the verdict as its message for corrupt/invalid/incomplete or a failed replica.
+Failed with the verdict as its message for corrupt/invalid/incomplete or a failed or corrupt copy
+(the outcome rule, safepoint.rules.outcome).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from safepoint.core.config import load_config
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MARKER_NAME, parse_marker
 from safepoint.core.redact import redact
-from safepoint.core.states import BAD_END_STATES
 from safepoint.core.states import CheckpointState as CS
 from safepoint.flows.automations import emit_outcome
 from safepoint.flows.credentials import resolve_destinations
@@ -29,6 +29,7 @@ from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.local.credentials import reveal_credentials
 from safepoint.local.snapshot import read_small
 from safepoint.ops.ingest import IngestOutcome, run_ingest
+from safepoint.rules.outcome import decide
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
 
@@ -86,27 +87,11 @@ def _flow_run_name() -> str:
     return run_name(str(flow_run.parameters.get("snapshot", "")))
 
 
-VERDICTS = frozenset(str(s) for s in BAD_END_STATES)  # verdicts on the checkpoint: exit 1
-
-
-def delivered(result: dict[str, Any]) -> bool:
-    """Pure: the ingest did its whole job: the checkpoint is verified, or this node's part is
-    replicated and the checkpoint waits for the other nodes' parts (no verdict, no failed copy)."""
-    failed = any(str(r["state"]) == "failed" for r in result["replicas"])
-    return result["state"] == str(CS.VERIFIED) or bool(
-        result.get("part") and not failed and result["state"] not in VERDICTS)
-
-
 def run_state(result: dict[str, Any]) -> dict[str, Any] | State:
-    """The flow's return: the result itself (Completed), or Failed carrying it, with a one-line why."""
-    failed = [r for r in result["replicas"] if str(r["state"]) == "failed"]
-    if delivered(result):
-        return result
-    why = redact(result.get("message") or "") or ""
-    if failed and result["state"] not in VERDICTS:
-        why = "; ".join(f"{r['url']}: {r['error'] or 'failed'}" for r in failed)
-    return Failed(message=f"{result['run']}/{result['step']} {result['state']}" + (f": {why}" if why else ""),
-                  data=result)
+    """The flow's return: the result itself (Completed), or Failed carrying it, with a one-line why;
+    which one is the outcome rule's (safepoint.rules.outcome), the same the CLI's exit code reads."""
+    decision = decide(result)
+    return result if decision.completed else Failed(message=decision.message, data=result)
 
 
 @flow(name="safepoint-ingest", flow_run_name=_flow_run_name, validate_parameters=True)
@@ -145,9 +130,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
             description=f"Safepoint ingest of {out.run}/{out.step}" + (f" (part {detail['part']})"
                                                                       if detail["part"] else ""),
         )
-    result = {"run": out.run, "step": out.step, "state": str(out.state), "replicas": out.replicas,
-              "message": out.message, "part": detail.get("part")}
-    return run_state(result)
+    return run_state(out.result())
 
 
 def heartbeat_updates(flows_settings: Any) -> dict[Any, Any]:

@@ -348,6 +348,29 @@ def test_parts_command_shows_missing_ranks_and_applies_timeouts(tmp_path, sqlite
     assert sqlite_catalog.get("pc", 1).state is CS.INCOMPLETE
 
 
+def test_parts_apply_assembles_and_validates_a_set_nobody_finished(tmp_path, sqlite_catalog, sqlite_catalog_url,
+                                                                   cfg, capsys):
+    """`parts --apply` is the completeness check the flow runs: the set it assembles leaves verified and is
+    the resume point at once (it used to stay `replicated` until the flow or a reconcile validated it)."""
+    from safepoint.cli.main import main
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.steps import register
+
+    durable = (tmp_path / "durable").as_uri()
+    for n in ("n0", "n1"):
+        ingest(make_part(tmp_path, "pa", 6, n, NODES[n]), [durable], sqlite_catalog, cfg)
+    snap = LocalSnapshot.open(make_part(tmp_path, "pa", 6, "n2", NODES["n2"]))
+    row = register(sqlite_catalog, snap)
+    assemble.replicate_part_to(sqlite_catalog, row.id, snap, durable, cfg)  # ... and died before assembling
+    capsys.readouterr()
+    assert main(["--catalog", sqlite_catalog_url, "parts", "--apply"]) == 0
+    assert "pa/6: verified" in capsys.readouterr().out
+    assert sqlite_catalog.get("pa", 6).state is CS.VERIFIED
+    assert sqlite_catalog.latest_validation(row.id).ok
+    assert main(["--catalog", sqlite_catalog_url, "resume-point", "--run", "pa", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+
+
 def test_assembled_on_an_object_store_is_validated_from_a_download(tmp_path, sqlite_catalog, cfg, safepoint_home):
     """No node holds every shard and the replica is not a local folder: validation downloads it."""
     url = f"memory://mn-{tmp_path.name}"

@@ -90,12 +90,11 @@ def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: 
 
 
 def _ingest_exit(result: dict) -> int:
-    """0: verified, or a node's part delivered that waits for the others; 1: a verdict; 2: anything else."""
-    from safepoint.flows.ingest import VERDICTS, delivered
+    """0: verified, or a node's part delivered that waits for the others; 1: a verdict; 2: anything else
+    (the outcome rule, safepoint.rules.outcome, which the flow's run state reads too)."""
+    from safepoint.rules.outcome import decide
 
-    if delivered(result):
-        return EXIT_OK
-    return EXIT_BAD if result["state"] in VERDICTS else EXIT_ERROR
+    return decide(result).exit_code
 
 
 def watch_here(args) -> int:

@@ -100,7 +100,7 @@ def cmd_parts(args) -> int:
     if args.timeout is not None:
         os.environ["SAFEPOINT_MULTINODE_TIMEOUT_S"] = str(args.timeout)
     if args.apply:
-        for a in assemble.apply_timeouts(cat, config, run=args.run):
+        for a in assemble.check_completeness(cat, config, run=args.run):
             out.print(f"{a.run}/{a.step}: {a.state} ({a.assessment.summary()})")
     rows = []
     for v in cat.list_checkpoints(args.run):

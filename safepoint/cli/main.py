@@ -271,39 +271,28 @@ def _policy_flags(args) -> dict:
 
 
 def cmd_prune(args) -> int:
-    from datetime import datetime, timezone
-
     from safepoint.core.config import load_config
-    from safepoint.ops.prune import prune
-    from safepoint.ops.retention import require_spec
-    from safepoint.rules.retention import policy_from_spec
+    from safepoint.ops.retention import prune_runs
 
     if (args.run is None) == (not args.all_runs):
         raise UsageError("give --run R (repeatable) or --all-runs")
     _check_min_replicas(args.min_replicas)
-    cat, config, now = _catalog(args), load_config(), datetime.now(timezone.utc)
-    docs, errors = [], 0
-    for run in (cat.runs() if args.all_runs else args.run):
-        policy = policy_from_spec(require_spec(run, config, override=_policy_flags(args)))
-        res = prune(cat, [run], policy, now=now, min_replicas=args.min_replicas, dry_run=args.dry_run, config=config)
-        errors += len(res.errors)
-        docs.append({"run": run, "policy": repr(policy), "dry_run": args.dry_run, "plan": res.plan.to_rows(),
-                     "pruned": [s for _r, s in res.pruned], "skipped": [s for _r, s in res.skipped],
-                     "errors": res.errors})
-        if args.json:
-            continue
-        for d in res.plan.decisions:
+    cat, config = _catalog(args), load_config()
+    reports, _ = prune_runs(cat, config, cat.runs() if args.all_runs else args.run, override=_policy_flags(args),
+                            require=True, min_replicas=args.min_replicas, dry_run=args.dry_run)
+    for r in [] if args.json else reports:
+        for d in r["decisions"]:
             c = d.checkpoint
             verb = "keep  " if d.keep else ("would delete" if args.dry_run else "delete")
             out.print(f"{verb} {c.run}/{c.step} ({c.state}): {'; '.join(d.reasons)}")
         if not args.dry_run:
-            out.print(f"{run}: pruned {len(res.pruned)} checkpoint(s)"
-                      + (f", {len(res.skipped)} kept after re-checking the catalog" if res.skipped else ""))
-        for e in res.errors:
+            out.print(f"{r['run']}: pruned {len(r['pruned'])} checkpoint(s)"
+                      + (f", {len(r['skipped'])} kept after re-checking the catalog" if r["skipped"] else ""))
+        for e in r["errors"]:
             err.print(f"could not delete {e} (the next prune retries)")
     if args.json:
-        print(json.dumps(docs, indent=1))
-    return EXIT_ERROR if errors else EXIT_OK
+        print(json.dumps([{k: v for k, v in r.items() if k != "decisions"} for r in reports], indent=1))
+    return EXIT_ERROR if any(r["errors"] for r in reports) else EXIT_OK
 
 
 def cmd_demo(args) -> int:

@@ -1,4 +1,4 @@
-"""States of checkpoints and replicas, and the transitions the catalog allows."""
+"""States of checkpoints and replicas (the transitions between them: safepoint.rules.transitions)."""
 
 from __future__ import annotations
 
@@ -32,23 +32,5 @@ class ReplicaState(str, Enum):
         return self.value
 
 
-C = CheckpointState
-# Allowed transitions. Re-ingest and re-verify may move a checkpoint back from a bad state when
-# the bytes turn out fine again (e.g. a replica was repaired), but `pruned` is final.
-ALLOWED: dict[CheckpointState, frozenset[CheckpointState]] = {
-    C.COMMITTED: frozenset({C.REPLICATING, C.CORRUPT, C.INCOMPLETE, C.PRUNED}),
-    C.REPLICATING: frozenset({C.REPLICATED, C.CORRUPT, C.INCOMPLETE, C.COMMITTED, C.REPLICATING}),
-    C.REPLICATED: frozenset({C.VALIDATING, C.CORRUPT, C.REPLICATING}),
-    C.VALIDATING: frozenset({C.VERIFIED, C.INVALID, C.INCOMPLETE, C.CORRUPT, C.VALIDATING, C.REPLICATED}),
-    C.VERIFIED: frozenset({C.CORRUPT, C.PRUNED, C.REPLICATING, C.VALIDATING}),
-    C.CORRUPT: frozenset({C.REPLICATING, C.PRUNED}),
-    C.INVALID: frozenset({C.REPLICATING, C.PRUNED}),
-    C.INCOMPLETE: frozenset({C.REPLICATING, C.PRUNED}),
-    C.PRUNED: frozenset(),
-}
+BAD_END_STATES = frozenset({CheckpointState.CORRUPT, CheckpointState.INVALID, CheckpointState.INCOMPLETE})
 
-BAD_END_STATES = frozenset({C.CORRUPT, C.INVALID, C.INCOMPLETE})
-
-
-def can_transition(src: CheckpointState, dst: CheckpointState) -> bool:
-    return dst in ALLOWED[src]

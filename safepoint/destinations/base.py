@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, check_run
+from safepoint.core.format import FileEntry, check_run
 from safepoint.core.naming import join, snapshot_key
 from safepoint.destinations.retry import RetryPolicy, is_transient
+from safepoint.rules.deletion import deletion_order
 
 
 def check_size(found: int | None, expected: int | None, where: str) -> None:
@@ -152,10 +153,12 @@ class Destination(ABC):
         """(run, step) of every snapshot that has a COMMITTED marker here."""
 
     def delete_snapshot(self, run: str, step: int, relpaths: list[str]) -> None:
-        """Delete in the safe order: marker, manifest, then data (docs/format.md)."""
-        self.delete_control(run, step, MARKER_NAME)
-        self.delete_control(run, step, MANIFEST_NAME)
-        self.delete_files(run, step, relpaths)
+        """Delete in the safe order of docs/format.md (safepoint.rules.deletion): marker, manifest, the
+        parts' control files among `relpaths` (a multi-node replica), then the data."""
+        controls, data = deletion_order(relpaths)
+        for name in controls:
+            self.delete_control(run, step, name)
+        self.delete_files(run, step, data)
 
     def abort_stale_uploads(self, older_than_s: float) -> int:
         """Abort unfinished multipart uploads under the base started more than `older_than_s` ago; how many.

@@ -9,8 +9,10 @@ The rules (docs/format.md, "Multi-node checkpoints"):
   manifest in the catalog, which binds the checkpoint as one object (restore, verify and scrub hold
   every copy to it), moves the checkpoint to `replicated` and validates it. No ingest ever waits
   for another node: the last part to arrive finishes the set;
-- a periodic check (`apply_timeouts`, run by the completeness flow and by watchers) marks a set
-  that stayed partial past its timeout `incomplete`, so resume points never wait on a dead rank;
+- a periodic check (`check_completeness`, run by the completeness flow and `safepoint parts --apply`;
+  watchers run its cheap half, `apply_timeouts` without assembling) marks a set that stayed partial
+  past its timeout `incomplete`, so resume points never wait on a dead rank, and assembles and
+  validates a complete set whose last ingest died before doing so;
 - a part that arrives after that re-opens the set (`incomplete` -> `replicating`) and, if it
   completes it, the checkpoint is assembled and validated like any other.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 
 from safepoint.catalog.store import Catalog
@@ -37,7 +39,8 @@ from safepoint.destinations.parts import assemble as assemble_parts
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.fetch import fetched_copy
 from safepoint.ops.replicate import Progress, ReplicaResult
-from safepoint.ops.steps import replicate_to
+from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.steps import replicate_to, walk
 from safepoint.rules.completeness import Assessment, Completeness, assess
 from safepoint.rules.restore import Outcome, Source
 from safepoint.rules.settle import settle_replication
@@ -123,11 +126,9 @@ def try_assemble(catalog: Catalog, checkpoint_id: int, urls: list[str], config: 
             dest.close()
     if not assembled:
         return Settled(catalog.get_by_id(checkpoint_id).state, message="; ".join(notes))
-    # A set completed late (after the timeout, or after a failed part was re-sent) re-opens first.
-    catalog.transition(checkpoint_id, CS.REPLICATING, expect={CS.COMMITTED, CS.INCOMPLETE},
-                       detail={"reason": "the set of parts completed"})
-    won = catalog.transition(checkpoint_id, CS.REPLICATED, expect={CS.REPLICATING},
-                             detail={"parts": sorted(parts, key=int)})
+    # A set completed late (after the timeout, or after a failed part was re-sent) re-opens on the way.
+    won = walk(catalog, checkpoint_id, CS.REPLICATED, start={*IN_FLIGHT, CS.INCOMPLETE},
+               detail={"reason": "the set of parts completed", "parts": sorted(parts, key=int)})
     return Settled(catalog.get_by_id(checkpoint_id).state, won=won, message="all parts assembled")
 
 
@@ -197,6 +198,28 @@ def apply_timeouts(catalog: Catalog, config: Config | None = None, *, now: datet
             if catalog.transition(row.id, CS.INCOMPLETE, expect=set(IN_FLIGHT), error=msg):
                 actions.append(TimeoutAction(row.id, row.run, row.step, CS.INCOMPLETE, a))
     return actions
+
+
+def check_completeness(catalog: Catalog, config: Config | None = None, *, run: str | None = None,
+                       now: datetime | None = None, runner: StepRunner = INLINE) -> list[TimeoutAction]:
+    """The completeness check wherever it runs (`safepoint parts --apply`, the completeness flow):
+    `apply_timeouts`, then the dry-run validation of every set it assembled, so an assembled
+    checkpoint leaves verified (or invalid), never `replicated` waiting for someone to validate it.
+    Each action's `state` is the state after all of it."""
+    config = config or Config()
+    actions = runner.run("apply-timeouts", apply_timeouts, catalog, config, run=run, now=now)
+    return [replace(a, state=runner.run("validate", validate_assembled, catalog, a.checkpoint_id, config,
+                                        config.run_setting(a.run, "model"))) if a.validate else a
+            for a in actions]
+
+
+def validate_assembled(catalog: Catalog, checkpoint_id: int, config: Config, model: str | None) -> CS:
+    """Validate the assembled checkpoint from its replica: no single node holds every shard."""
+    # Imported here: watchers time out sets through this module and never validate.
+    from safepoint.ops.validation import validate_checkpoint
+
+    with assembled_snapshot(catalog, checkpoint_id, config) as merged:
+        return validate_checkpoint(catalog, checkpoint_id, merged, model=model, config=config)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from typing import Any
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, load_config
 from safepoint.core.errors import FormatError, SafepointError
-from safepoint.core.format import digest_bytes
+from safepoint.core.format import Manifest, digest_bytes
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
@@ -85,7 +85,7 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     if skip_if_verified and already_done(catalog, snap, to):
         row = catalog.get(m.run, m.step)
         log.info("%s/%s is already verified; nothing to do", row.run, row.step)
-        out = steps.outcome(catalog, row.id, "already verified")
+        out = steps.outcome(catalog, row.id, "already verified", part=_part(m))
         detail = done_detail(snap, snapshot, event_id, out, [], t0, None, skipped=True)
         record_done(catalog, row.id, detail)
         return IngestReport(out, row.id, detail)
@@ -109,15 +109,19 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
             log.info("%s/%s part %s: %s (%s)", m.run, m.step, part_key(m.held_ranks), settled.state,
                      settled.message)
             if settled.won:
-                runner.run("validate", validate_assembled, catalog, checkpoint_id, config, factory)
+                runner.run("validate", assemble.validate_assembled, catalog, checkpoint_id, config, factory)
         elif runner.run("settle-replication", steps.settle, catalog, checkpoint_id, results) is CS.REPLICATED:
             runner.run("validate", validate_checkpoint, catalog, checkpoint_id, snap, model=factory, config=config,
                        judged=judged)
-    out = steps.outcome(catalog, checkpoint_id)
+    out = steps.outcome(catalog, checkpoint_id, part=_part(m))
     detail = done_detail(snap, snapshot, event_id, out, results, t0, mem.min_ratio)
     runner.run("record-ingest", record_done, catalog, checkpoint_id, detail)
     log.info("%s/%s ended %s", out.run, out.step, out.state)
     return IngestReport(out, checkpoint_id, detail)
+
+
+def _part(m: Manifest) -> str | None:
+    return part_key(m.held_ranks) if is_part(m) else None
 
 
 def replicate_one(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
@@ -162,12 +166,6 @@ def reconcile_scope(catalog: Catalog, run: str, step: int, to: list[str], config
     return done
 
 
-def validate_assembled(catalog: Catalog, checkpoint_id: int, config: Config, model: str | None) -> CS:
-    """Validate the assembled checkpoint from its replica: no single node holds every shard."""
-    with assemble.assembled_snapshot(catalog, checkpoint_id, config) as merged:
-        return validate_checkpoint(catalog, checkpoint_id, merged, model=model, config=config)
-
-
 def record_done(catalog: Catalog, checkpoint_id: int, detail: dict[str, Any]) -> None:
     """The `ingest.done` catalog event: what watchers wait for to drop a marker from their spool."""
     catalog.add_event("ingest.done", checkpoint_id=checkpoint_id, detail=detail)
@@ -198,7 +196,7 @@ def done_detail(snap: LocalSnapshot, snapshot: str, event_id: str | None, out: I
     uploaded = sum(r.bytes_uploaded for r in results)
     return {
         "event_id": event_id, "snapshot": snapshot, "run": m.run, "step": m.step, "node": m.node,
-        "part": part_key(m.held_ranks) if is_part(m) else None, "ranks": list(m.held_ranks),
+        "part": _part(m), "ranks": list(m.held_ranks),
         "manifest_blake3": digest_bytes(snap.manifest_bytes), "state": str(out.state),
         "files": len(m.files), "bytes": m.total_bytes, "bytes_uploaded": uploaded,
         "bytes_reused": sum(r.bytes_reused for r in results), "seconds": round(seconds, 4),

@@ -1,12 +1,14 @@
-"""Execute a retention plan: catalog marked first, then each replica's marker, then its files.
+"""Execute a retention plan: catalog marked first, then each replica's control files, then its data.
 
 The plan (safepoint.rules.retention.plan) is pure and was made from a read of the catalog that may be
 stale by now. `execute` therefore marks checkpoints `pruned` through catalog.mark_pruned, which
 re-runs the planner on a fresh read inside the marking transaction and marks only what both
 plans delete. Only then are files touched, in the order of docs/format.md (COMMITTED, then
-MANIFEST.json, then data), so a crash part-way leaves a partial replica, never a committed one
-with missing files. Deletions that failed or were interrupted are finished on the next run
-(`finish_pruned`): the catalog already says `pruned`, so nothing resumes from them meanwhile.
+MANIFEST.json, then, for a multi-node replica, every part's COMMITTED and MANIFEST.json, then data:
+safepoint.rules.deletion), so a crash part-way leaves a partial replica or loose parts that
+reconcile finishes deleting, never a committed one with missing files. Deletions that failed or
+were interrupted are finished on the next run (`finish_pruned`) or by reconcile: the catalog
+already says `pruned`, so nothing resumes from them meanwhile.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointView
 from safepoint.core.config import Config
 from safepoint.core.errors import SafepointError
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
+from safepoint.destinations.parts import part_control
+from safepoint.ops.assemble import part_digests
 from safepoint.ops.evict import manifest_digests, remove_local_snapshot
 from safepoint.rules.retention import Policy, RetentionPlan, plan, still_deletable
 
@@ -53,7 +58,9 @@ def delete_copies(catalog: Catalog, c: CheckpointView, config: Config) -> list[s
             base, run, step = parse_snapshot_url(r.url)
             dest = open_destination(base, config.storage_options(base))
             try:
-                dest.delete_snapshot(run, step, files)  # COMMITTED, then MANIFEST.json, then data
+                # COMMITTED, MANIFEST.json, every part's COMMITTED and MANIFEST.json, then data.
+                dest.delete_snapshot(run, step, files + part_controls(catalog, c))
+                dest.remove_empty_folders(run, step)
             finally:
                 dest.close()
         except (OSError, SafepointError, ValueError) as e:
@@ -71,6 +78,14 @@ def delete_copies(catalog: Catalog, c: CheckpointView, config: Config) -> list[s
         except OSError as e:
             errors.append(f"{path}: {e}")
     return errors
+
+
+def part_controls(catalog: Catalog, c: CheckpointView) -> list[str]:
+    """The control files of every part of a multi-node checkpoint at a replica (none for a whole one)."""
+    if c.world_size <= 1:
+        return []
+    return [part_control(key, name) for key in sorted(part_digests(catalog, c.id), key=int)
+            for name in (MARKER_NAME, MANIFEST_NAME)]
 
 
 def finish_pruned(catalog: Catalog, runs: list[str], config: Config) -> list[str]:

@@ -43,9 +43,10 @@ from safepoint.ops.good_copy import good_source, verified_copy
 from safepoint.ops.leases import try_once
 from safepoint.ops.reconcile_report import ReconcileReport, Step
 from safepoint.ops.replicate import verify_replica
-from safepoint.ops.steps import replicate_to, settle_copies
+from safepoint.ops.steps import replicate_to, settle_copies, walk
 from safepoint.ops.validation import validate_checkpoint
 from safepoint.rules.reconcile import (
+    IN_FLIGHT,
     REPAIRABLE,
     Action,
     Found,
@@ -310,22 +311,13 @@ class Reconciler:
     def _abandon(self, row: CheckpointRow) -> None:
         c = self.catalog
         why = "reconcile: interrupted ingest abandoned; ingest again to finish it"
-        if row.state is CS.VALIDATING:
-            c.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING})
-        if self.catalog.get_by_id(row.id).state is CS.REPLICATED:
-            c.transition(row.id, CS.REPLICATING, expect={CS.REPLICATED})
-        c.transition(row.id, CS.COMMITTED, expect={CS.REPLICATING}, error=why)
+        walk(c, row.id, CS.COMMITTED, start=IN_FLIGHT, error=why)
 
     def _finish(self, row: CheckpointRow) -> None:
         """Bring a checkpoint with a verified replica to `replicated`, then validate a verified copy."""
         c = self.catalog
-        if row.state is CS.VALIDATING:
-            c.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING})
-        if row.state in (CS.CORRUPT, CS.COMMITTED):
-            c.transition(row.id, CS.REPLICATING, expect={CS.CORRUPT, CS.COMMITTED})
-        if c.get_by_id(row.id).state is CS.REPLICATING:
-            c.transition(row.id, CS.REPLICATED, expect={CS.REPLICATING},
-                         detail={"by": "reconcile", "why": "a verified replica exists"})
+        walk(c, row.id, CS.REPLICATED, start={*IN_FLIGHT, CS.CORRUPT, CS.COMMITTED},
+             detail={"by": "reconcile", "why": "a verified replica exists"})
         if c.get_by_id(row.id).state is not CS.REPLICATED:
             return
         with verified_copy(c, row.id, self.config) as snap:

@@ -38,9 +38,12 @@ def spec_for(run: str, config: Config, *, override: Mapping[str, Any] | None = N
 def require_spec(run: str, config: Config, override: Mapping[str, Any] | None = None) -> dict[str, Any]:
     spec = spec_for(run, config, override=override)
     if spec is None:
-        raise UsageError(f"no retention policy for run {run!r}: give --keep-last/--keep-every/--keep-within/"
-                         "--keep-tagged/--keep-best, or set [retention] or [runs.<run>] retention in config.toml")
+        raise UsageError(_NO_POLICY.format(run=run))
     return spec
+
+
+_NO_POLICY = ("no retention policy for run {run!r}: give --keep-last/--keep-every/--keep-within/--keep-tagged/"
+              "--keep-best, or set [retention] or [runs.<run>] retention in config.toml")
 
 
 def prune_run(catalog: Catalog, run: str, spec: dict[str, Any], min_replicas: int, dry_run: bool,
@@ -63,6 +66,29 @@ def evict_root(catalog: Catalog, root: str, high_water: float, low_water: float 
             "planned": [d.copy.path for d in p.evict], "evicted": res.evicted, "skipped": res.skipped}
 
 
+def prune_runs(catalog: Catalog, config: Config, runs: list[str], *, override: Mapping[str, Any] | None = None,
+               fallback: Mapping[str, Any] | None = None, require: bool = False, min_replicas: int = 1,
+               dry_run: bool = False, runner: StepRunner = INLINE) -> tuple[list[dict[str, Any]], list[str]]:
+    """The prune loop, written once: each run by its own policy (`spec_for`), one `prune-run` step each.
+
+    Returns (one `prune_run` report per run pruned, the runs skipped for having no policy). A bad
+    policy, and with `require` (the CLI) a run without one, is refused before anything is deleted.
+    """
+    now = datetime.now(timezone.utc)
+    specs = {run: spec_for(run, config, override=override, fallback=fallback) for run in dict.fromkeys(runs)}
+    skipped = sorted(r for r, s in specs.items() if not s)
+    if require and skipped:
+        raise UsageError(_NO_POLICY.format(run=skipped[0]))
+    for spec in filter(None, specs.values()):
+        policy_from_spec(spec)  # a bad policy is refused before any run is pruned
+    answers = runner.map("prune-run", prune_run, [(catalog, run, spec, min_replicas, dry_run, now, config)
+                                                  for run, spec in specs.items() if spec])
+    for a in answers:
+        if isinstance(a, BaseException):
+            raise a
+    return answers, skipped  # type: ignore[return-value]
+
+
 def retention_pass(catalog: Catalog, config: Config, *, runs: list[str] | None = None,
                    policy: dict[str, Any] | None = None, min_replicas: int = 1, dry_run: bool = False,
                    evict_roots: list[str] | None = None, high_water: float | None = None,
@@ -70,16 +96,9 @@ def retention_pass(catalog: Catalog, config: Config, *, runs: list[str] | None =
                    keep_newest_local: int | None = None, runner: StepRunner = INLINE) -> dict[str, Any]:
     """Prune `runs` (default: every run in the catalog), then evict local copies under `evict_roots`
     (default: `[eviction] roots`). Runs with no policy are skipped."""
-    now = datetime.now(timezone.utc)
-    names = runs if runs is not None else catalog.runs()
-    specs = {run: spec_for(run, config, fallback=policy) for run in names}
-    skipped = sorted(r for r, s in specs.items() if not s)
-    answers = runner.map("prune-run", prune_run, [(catalog, run, spec, min_replicas, dry_run, now, config)
-                                                  for run, spec in specs.items() if spec])
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
-    pruned = [{k: v for k, v in a.items() if k != "decisions"} for a in answers]  # type: ignore[union-attr]
+    answers, skipped = prune_runs(catalog, config, runs if runs is not None else catalog.runs(), fallback=policy,
+                                  min_replicas=min_replicas, dry_run=dry_run, runner=runner)
+    pruned = [{k: v for k, v in a.items() if k != "decisions"} for a in answers]
     ev = config.section("eviction")
     roots = evict_roots if evict_roots is not None else list(ev.get("roots", []))
     hw = high_water if high_water is not None else float(ev.get("high_water", 0.85))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ from safepoint.catalog.store import Catalog
 from safepoint.catalog.views import CheckpointRow
 from safepoint.core.config import Config
 from safepoint.core.errors import CatalogError, FormatError, SafepointError
-from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 from safepoint.core.format import MARKER_NAME, Manifest, digest_bytes, parse_marker
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
@@ -28,7 +28,9 @@ from safepoint.destinations import open_destination
 from safepoint.destinations.parts import PartDestination, check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot, read_small
 from safepoint.ops.replicate import Progress, ReplicaResult, replicate
+from safepoint.rules.outcome import Decision, decide
 from safepoint.rules.settle import settle_replication
+from safepoint.rules.transitions import path
 
 log = logging.getLogger("safepoint")
 
@@ -40,14 +42,21 @@ class IngestOutcome:
     state: CS
     replicas: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
+    part: str | None = None  # this node's part of a multi-node checkpoint (its key), else None
+
+    def result(self) -> dict[str, Any]:
+        """The outcome as plain data: the ingest flow's return value and the CLI's `--json`."""
+        return {"run": self.run, "step": self.step, "state": str(self.state), "replicas": self.replicas,
+                "message": self.message, "part": self.part}
+
+    @property
+    def decision(self) -> Decision:
+        """Verdict, final run state and exit code, by the one outcome rule (safepoint.rules.outcome)."""
+        return decide(self.result())
 
     @property
     def exit_code(self) -> int:
-        if self.state is CS.VERIFIED:
-            return EXIT_OK
-        if self.state in (CS.CORRUPT, CS.INVALID, CS.INCOMPLETE):
-            return EXIT_BAD
-        return EXIT_ERROR
+        return self.decision.exit_code
 
 
 def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
@@ -55,14 +64,33 @@ def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
     row = catalog.record_commit(snap.manifest, digest_bytes(snap.manifest_bytes), str(snap.root))
     if row.state is CS.PRUNED:
         raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
-    # A validation that a crash interrupted leaves `validating`, from which there is no way back to
-    # `replicating`: step back through `replicated` so that the re-ingest takes the work over.
-    catalog.transition(row.id, CS.REPLICATED, expect={CS.VALIDATING}, detail={"why": "re-ingest"})
-    catalog.transition(row.id, CS.REPLICATING)
+    # From wherever it is (a validation a crash interrupted left `validating`: back through `replicated`).
+    walk(catalog, row.id, CS.REPLICATING, detail={"why": "re-ingest"})
     row = catalog.get_by_id(row.id)
     if row.state is CS.PRUNED:  # retention marked it between record_commit and the transition
         raise CatalogError(f"{row.run}/{row.step} was pruned; refusing to ingest it again")
     return row
+
+
+def walk(catalog: Catalog, checkpoint_id: int, to: CS, *, start: Iterable[CS] | None = None,
+         error: str | None = None, detail: dict[str, Any] | None = None) -> bool:
+    """Move a checkpoint to `to` along the rule's walk (safepoint.rules.transitions.path), each hop a
+    guarded transition; only from a state in `start` (default: any). True when this caller made the
+    last hop; False when the state is not in `start`, there is no walk, or others keep moving it."""
+    for _ in range(10):
+        state = catalog.get_by_id(checkpoint_id).state
+        hops = path(state, to) if start is None or state in start else ()
+        if not hops:
+            return False
+        for i, nxt in enumerate(hops):
+            last = i == len(hops) - 1
+            if not catalog.transition(checkpoint_id, nxt, expect={state}, error=error if last else None,
+                                      detail=detail):
+                break  # another writer moved it: read it again
+            state = nxt
+        else:
+            return True
+    return False
 
 
 def replicate_to(
@@ -144,10 +172,10 @@ def failed_result(url: str, e: BaseException) -> ReplicaResult:
                          error=f"{redact_url(url)}: {_why(e)}")
 
 
-def outcome(catalog: Catalog, checkpoint_id: int, message: str = "") -> IngestOutcome:
+def outcome(catalog: Catalog, checkpoint_id: int, message: str = "", part: str | None = None) -> IngestOutcome:
     row = catalog.get_by_id(checkpoint_id)
     reps = [{"url": r.url, "state": str(r.state), "error": r.error} for r in catalog.replicas(checkpoint_id)]
-    return IngestOutcome(row.run, row.step, row.state, reps, message or (row.error or ""))
+    return IngestOutcome(row.run, row.step, row.state, reps, message or (row.error or ""), part)
 
 
 def settle_copies(catalog: Catalog, checkpoint_id: int) -> CS:
