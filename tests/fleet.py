@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.prefect_server import PrefectServer, stop_group
+from tests.prefect_server import PrefectServer, stop_groups
 
 REPO = Path(__file__).resolve().parents[1]
 PG_HOST, PG_PORT, PG_USER = "127.0.0.1", "5432", "postgres"
@@ -191,8 +191,7 @@ class Fleet:
                 stray += psutil.Process(p.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 pass
-        for p in reversed(self._procs):
-            stop_group(p, grace_s=5)
+        stop_groups(list(reversed(self._procs)), grace_s=5)
         for proc in stray:
             try:
                 proc.kill()

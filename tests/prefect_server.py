@@ -24,20 +24,31 @@ def free_port() -> int:
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL it if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+    stop_groups([proc], grace_s)
+
+
+def stop_groups(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """`stop_group` for several at once: all are signalled first and share one grace period, so a
+    teardown waits for the slowest process, not for the sum of them."""
+    live = []
+    for proc in procs:
+        if proc.poll() is not None:
+            continue
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+            continue
+        live.append(proc)
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
 
 
 # Services the tests do not need: fewer loops competing for two cores.

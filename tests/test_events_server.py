@@ -34,7 +34,7 @@ import torch
 from safepoint import commit
 from safepoint.events.markers import Marker
 from safepoint.local.snapshot import LocalSnapshot
-from tests.prefect_server import PrefectServer, stop_group
+from tests.prefect_server import PrefectServer, stop_group, stop_groups
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +76,7 @@ class Stack:
         return p.read_text(errors="replace")[-4000:] if p.exists() else ""
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            stop_group(p)
+        stop_groups(self.procs)
         self.server.stop()
 
 
