@@ -75,6 +75,14 @@ class Stack:
         p = self.base / f"{name}.log"
         return p.read_text(errors="replace")[-4000:] if p.exists() else ""
 
+    def watching(self, *nodes: str) -> None:
+        """Wait until each node's first watcher says it watches (its start-up, not a fixed sleep)."""
+        def up() -> bool:
+            logs = [self.base / f"watch-{n}.log" for n in nodes]
+            return all(p.exists() and "watching " in p.read_text(errors="replace") for p in logs)
+
+        wait_for(f"watchers {', '.join(nodes)} up", up, 120, self, *(f"watch-{n}" for n in nodes))
+
     def close(self) -> None:
         stop_groups(self.procs)
         self.server.stop()
@@ -153,7 +161,7 @@ def write_part(root: Path, run: str, step: int, node: str, ranks: tuple[int, ...
 def test_marker_becomes_verified_without_a_call_and_survives_a_server_restart(stack):
     root = stack.base / "single"
     stack.watch(root, "solo")
-    time.sleep(2)
+    stack.watching("solo")
     t0 = time.monotonic()
     folder = write_snapshot(root, "ev", 1)
     wait_for("ev/1 verified", lambda: state_of(stack, "ev", 1) == "verified", 150, stack, "watch-solo")
@@ -204,7 +212,7 @@ NODES = {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}
 def test_three_nodes_six_ranks_and_a_killed_node(stack):
     roots = {n: stack.base / "nodes" / n for n in NODES}
     watchers = {n: stack.watch(roots[n], n, "--timeouts-every", "2") for n in NODES}
-    time.sleep(2)
+    stack.watching(*NODES)
     t0 = time.monotonic()
     for n, ranks in NODES.items():
         write_part(roots[n], "mn", 100, n, ranks)
