@@ -230,6 +230,15 @@ class Fleet:
 
         return asyncio.run(go())
 
+    def events(self, name: str, resource_id: str) -> list[dict]:
+        """Events named `name` about one resource, from this fleet's server."""
+        import httpx
+
+        flt = {"event": {"name": [name]}, "resource": {"id": [resource_id]}}
+        r = httpx.post(f"{self.server.url}/events/filter", json={"filter": flt, "limit": 50}, timeout=10)
+        r.raise_for_status()
+        return r.json()["events"]
+
     def ingest_runs(self) -> list:
         from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 

@@ -107,7 +107,9 @@ def test_worker_killed_mid_ingest_crashes_the_run_and_the_ingest_still_verifies(
 
     (first,) = fleet.wait_for("n1's ingest running", running, 120)
     fleet.wait_for("the checkpoint registered", lambda: fleet.state("kill", 1) is not None, 60)
-    time.sleep(1)  # the run's first heartbeat goes out as it starts
+    # The run's first heartbeat goes out as it starts: the automation counts from it.
+    fleet.wait_for("the run's first heartbeat",
+                   lambda: fleet.events("prefect.flow-run.heartbeat", f"prefect.flow-run.{first.id}"), 60)
     killed = fleet.kill_worker("n1")
     assert len(killed) >= 2, killed  # the worker and the flow-run process it started
     assert cat.release_lease(lease, other)
