@@ -246,7 +246,10 @@ def test_three_nodes_six_ranks_and_a_killed_node(stack):
     wait_for("all ingest runs finished",
              lambda: all(r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs(stack)),
              60, stack)
-    assert all(r.state_type.value == "COMPLETED" for r in flow_runs(stack))
+    runs = flow_runs(stack)
+    assert all(r.state_type.value == "COMPLETED" for r in runs), [
+        (r.name, r.state_type.value, r.state.message if r.state else None) for r in runs
+        if r.state_type.value != "COMPLETED"]
 
     # The node comes back and delivers late: the set is re-opened, assembled and validated.
     stack.watch(roots["n2"], "n2", "--timeouts-every", "2")
