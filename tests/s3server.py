@@ -32,6 +32,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.prefect_server import stop_group
+
 ACCESS_KEY = "safepoint-test"
 SECRET_KEY = "safepoint-test-secret"  # SeaweedFS without IAM config accepts any key
 COMPONENTS = ("master", "volume", "filer", "s3")
@@ -151,20 +153,8 @@ class SeaweedFS:
     def stop(self) -> None:
         """SIGTERM the process group, then SIGKILL it if it lingers."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=self.term_grace)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+        if proc is not None:
+            stop_group(proc, self.term_grace)
 
     def __enter__(self) -> SeaweedFS:
         return self.start()
