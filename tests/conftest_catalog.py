@@ -1,8 +1,11 @@
 """Catalog fixtures shared by every test module (loaded from tests/conftest.py).
 
-- ``catalog_url``: parametrized over ``sqlite`` (a file in tmp_path) and ``postgres`` (a fresh,
-  uniquely named schema in the ``test`` database, selected through ``search_path`` in the URL, so
-  tests are isolated and parallel-safe). Also exported as $SAFEPOINT_CATALOG_URL for subprocesses.
+- ``catalog_url``: a catalog URL, exported as $SAFEPOINT_CATALOG_URL for subprocesses: ``sqlite`` (a
+  file in tmp_path), and for catalog-level tests (marked ``catalog_backends``: catalog/ queries,
+  migrations, concurrency) also ``postgres`` (a fresh, uniquely named schema in the ``test``
+  database, selected through ``search_path`` in the URL, so tests are isolated and parallel-safe).
+  Everything above the catalog (ops, flows, CLI) talks to it through the same Catalog API, so it
+  runs once, on SQLite.
 - ``catalog``: an open, migrated ``Catalog`` on ``catalog_url``.
 - ``sqlite_catalog_url`` / ``sqlite_catalog``: SQLite only, for tests that need no server.
 
@@ -87,16 +90,29 @@ def sqlite_catalog_url(tmp_path, monkeypatch):
     db.dispose(url)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def catalog_url(request):
-    """A catalog URL on each backend (see module docstring)."""
-    name = "sqlite_catalog_url" if request.param == "sqlite" else "postgres_catalog_url"
+def pytest_generate_tests(metafunc):
+    """Catalog-level tests (marked ``catalog_backends``) run on SQLite and on PostgreSQL."""
+    if "catalog_url" in metafunc.fixturenames and metafunc.definition.get_closest_marker("catalog_backends"):
+        metafunc.parametrize("catalog_backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+                             indirect=True)
+
+
+@pytest.fixture
+def catalog_backend(request) -> str:
+    """``sqlite``, or the backend a ``catalog_backends`` test is parametrized with."""
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture
+def catalog_url(request, catalog_backend):
+    """A catalog URL on SQLite, or on each backend for catalog-level tests (see module docstring)."""
+    name = "sqlite_catalog_url" if catalog_backend == "sqlite" else "postgres_catalog_url"
     return request.getfixturevalue(name)
 
 
 @pytest.fixture
 def catalog(catalog_url):
-    """An open, migrated Catalog on each backend."""
+    """An open, migrated Catalog on `catalog_url`."""
     from safepoint.catalog import open_catalog
 
     return open_catalog(catalog_url)

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.prefect_server import PrefectServer, stop_group
+from tests.prefect_server import PrefectServer, stop_groups
 
 REPO = Path(__file__).resolve().parents[1]
 PG_HOST, PG_PORT, PG_USER = "127.0.0.1", "5432", "postgres"
@@ -191,8 +191,7 @@ class Fleet:
                 stray += psutil.Process(p.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 pass
-        for p in reversed(self._procs):
-            stop_group(p, grace_s=5)
+        stop_groups(list(reversed(self._procs)), grace_s=5)
         for proc in stray:
             try:
                 proc.kill()
@@ -230,6 +229,15 @@ class Fleet:
                 return await coro_fn(c)
 
         return asyncio.run(go())
+
+    def events(self, name: str, resource_id: str) -> list[dict]:
+        """Events named `name` about one resource, from this fleet's server."""
+        import httpx
+
+        flt = {"event": {"name": [name]}, "resource": {"id": [resource_id]}}
+        r = httpx.post(f"{self.server.url}/events/filter", json={"filter": flt, "limit": 50}, timeout=10)
+        r.raise_for_status()
+        return r.json()["events"]
 
     def ingest_runs(self) -> list:
         from prefect.client.schemas.filters import FlowFilter, FlowFilterName

@@ -226,6 +226,7 @@ def _ingest(tmp_path: Path, catalog, run: str, step: int, *, scale: float = 1.0,
     return ingest(folder, [(tmp_path / "durable").as_uri()], catalog, config)
 
 
+@pytest.mark.catalog_backends
 def test_norm_jump_against_previous_verified_checkpoint(tmp_path: Path, catalog_url: str) -> None:
     catalog = open_catalog(catalog_url)  # SQLite and PostgreSQL
     assert _ingest(tmp_path, catalog, "nj", 1).state is CS.VERIFIED

@@ -14,6 +14,8 @@ from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
 
+pytestmark = pytest.mark.catalog_backends  # catalog-level: on SQLite and PostgreSQL
+
 H = "ab" * 32
 
 

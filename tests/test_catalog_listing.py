@@ -17,6 +17,8 @@ from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
 from tests.helpers_catalog import seed
 
+pytestmark = pytest.mark.catalog_backends  # catalog-level: on SQLite and PostgreSQL
+
 
 @pytest.fixture
 def seeded(sqlite_catalog, tmp_path):

@@ -132,6 +132,7 @@ def _fake_checkpoint(catalog, run, step, state, reps, created, tags=()):
         c.execute(sa.update(Checkpoint).where(Checkpoint.id == row.id).values(created_at=created))
 
 
+@pytest.mark.catalog_backends
 def test_catalog_resume_point_equals_pure_function(catalog):
     import random
 
@@ -159,6 +160,7 @@ def test_catalog_resume_point_equals_pure_function(catalog):
     assert find_resume_point(catalog, "nobody").chosen is None
 
 
+@pytest.mark.catalog_backends
 def test_candidates_for_resume_pages_newest_first(catalog):
     for step in (5, 10, 20, 40):
         _fake_checkpoint(catalog, "p", step, C.VERIFIED, (R.VERIFIED,), T0 + timedelta(minutes=step))

@@ -15,6 +15,8 @@ from safepoint.core.config import Config
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops import leases
 
+pytestmark = pytest.mark.catalog_backends  # catalog-level: on SQLite and PostgreSQL
+
 
 def run_threads(n: int, body) -> None:
     errors: list[BaseException] = []

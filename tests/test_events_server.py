@@ -34,7 +34,7 @@ import torch
 from safepoint import commit
 from safepoint.events.markers import Marker
 from safepoint.local.snapshot import LocalSnapshot
-from tests.prefect_server import PrefectServer, stop_group
+from tests.prefect_server import PrefectServer, stop_group, stop_groups
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +75,16 @@ class Stack:
         p = self.base / f"{name}.log"
         return p.read_text(errors="replace")[-4000:] if p.exists() else ""
 
+    def watching(self, *nodes: str) -> None:
+        """Wait until each node's first watcher says it watches (its start-up, not a fixed sleep)."""
+        def up() -> bool:
+            logs = [self.base / f"watch-{n}.log" for n in nodes]
+            return all(p.exists() and "watching " in p.read_text(errors="replace") for p in logs)
+
+        wait_for(f"watchers {', '.join(nodes)} up", up, 120, self, *(f"watch-{n}" for n in nodes))
+
     def close(self) -> None:
-        for p in reversed(self.procs):
-            stop_group(p)
+        stop_groups(self.procs)
         self.server.stop()
 
 
@@ -154,7 +161,7 @@ def write_part(root: Path, run: str, step: int, node: str, ranks: tuple[int, ...
 def test_marker_becomes_verified_without_a_call_and_survives_a_server_restart(stack):
     root = stack.base / "single"
     stack.watch(root, "solo")
-    time.sleep(2)
+    stack.watching("solo")
     t0 = time.monotonic()
     folder = write_snapshot(root, "ev", 1)
     wait_for("ev/1 verified", lambda: state_of(stack, "ev", 1) == "verified", 150, stack, "watch-solo")
@@ -205,7 +212,7 @@ NODES = {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}
 def test_three_nodes_six_ranks_and_a_killed_node(stack):
     roots = {n: stack.base / "nodes" / n for n in NODES}
     watchers = {n: stack.watch(roots[n], n, "--timeouts-every", "2") for n in NODES}
-    time.sleep(2)
+    stack.watching(*NODES)
     t0 = time.monotonic()
     for n, ranks in NODES.items():
         write_part(roots[n], "mn", 100, n, ranks)
@@ -239,7 +246,10 @@ def test_three_nodes_six_ranks_and_a_killed_node(stack):
     wait_for("all ingest runs finished",
              lambda: all(r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in flow_runs(stack)),
              60, stack)
-    assert all(r.state_type.value == "COMPLETED" for r in flow_runs(stack))
+    runs = flow_runs(stack)
+    assert all(r.state_type.value == "COMPLETED" for r in runs), [
+        (r.name, r.state_type.value, r.state.message if r.state else None) for r in runs
+        if r.state_type.value != "COMPLETED"]
 
     # The node comes back and delivers late: the set is re-opened, assembled and validated.
     stack.watch(roots["n2"], "n2", "--timeouts-every", "2")

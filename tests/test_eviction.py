@@ -93,6 +93,7 @@ def test_evict_real_folders(catalog, catalog_url, tmp_path, capsys):
     assert "keep        e/4" in text and "state replicated" in text
 
 
+@pytest.mark.catalog_backends
 def test_claim_refuses_a_stale_plan(catalog, tmp_path):
     seed(catalog, tmp_path, "k", 1)
     c = catalog.local_copies(tmp_path / "nvme")[0]

@@ -62,6 +62,7 @@ def test_lineage_across_runs_from_cli_commit_and_python_api(catalog, catalog_url
     assert main(["--catalog", catalog_url, "lineage", "nope", "1"]) == 1
 
 
+@pytest.mark.catalog_backends
 def test_parent_cataloged_later_is_linked(catalog):
     child = _fake(catalog, "b", 1, parent=("a", 50))
     assert child.parent == ("a", 50) and child.parent_id is None
@@ -72,6 +73,7 @@ def test_parent_cataloged_later_is_linked(catalog):
     assert catalog.lineage("b", 1)[-1].state is C.COMMITTED
 
 
+@pytest.mark.catalog_backends
 def test_set_parent_python_api_refuses_cycles(catalog):
     for s in (1, 2, 3):
         _fake(catalog, "r", s)
@@ -90,12 +92,14 @@ def test_set_parent_python_api_refuses_cycles(catalog):
         [True, False]
 
 
+@pytest.mark.catalog_backends
 def test_a_manifest_made_cycle_stops(catalog):
     _fake(catalog, "x", 1, parent=("y", 1))
     _fake(catalog, "y", 1, parent=("x", 1))
     assert chain(catalog, "x", 1) == [("x", 1, "forked"), ("y", 1, "forked")]
 
 
+@pytest.mark.catalog_backends
 def test_lineage_survives_pruning_of_the_parent(catalog, tmp_path):
     p = seed(catalog, tmp_path, "p", 1)
     seed(catalog, tmp_path, "q", 1, parent=("p", 1))

@@ -13,6 +13,8 @@ from alembic.script import ScriptDirectory
 from safepoint.catalog import db
 from safepoint.catalog.models import Base
 
+pytestmark = pytest.mark.catalog_backends  # catalog-level: on SQLite and PostgreSQL
+
 HEAD = "0005_replica_proof"
 TABLES = {"runs", "checkpoints", "checkpoint_files", "checkpoint_ranks", "replicas", "validations",
           "tensor_stats", "events", "leases"}

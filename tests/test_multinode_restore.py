@@ -38,6 +38,8 @@ from safepoint.local.snapshot import LocalSnapshot
 REPO = Path(__file__).resolve().parents[1]
 RUN = "mn"
 
+pytestmark = pytest.mark.slow  # two nodes, one process per command
+
 
 def _cli(env: dict[str, str], *args: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "safepoint.cli", *map(str, args)], env=env, cwd=REPO,

@@ -7,7 +7,7 @@ Done-when of issue 24 (part 2):
 - an `S3Bucket` block (prefect-aws) is a destination, `--to block:NAME/sub`, against SeaweedFS with
   no AWS variable in the environment;
 - the proactive automation (committed, no verified within N s) fires within a short window (10 s,
-  Prefect's floor), for the unverified checkpoint only; the reactive one for an invalid one.
+  Prefect's floor), for the unverified checkpoints only; the reactive one for an invalid one.
 
 One server for the module, stopped at the end; SeaweedFS is the session's (tests/conftest_s3.py).
 """
@@ -153,7 +153,16 @@ def test_no_secret_reaches_prefects_database(client_env, s3_env, postgres_catalo
     assert sorted(f.read_text() for f in sealed) == sorted([dest, catalog])
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in refs.iterdir())
 
-    time.sleep(3)  # events and logs reach the database a moment after the runs end
+    # Events reach the database a moment after the runs end (in batches): wait for the last ones,
+    # each ingest's verdict and its run's final state, before reading the files.
+    def persisted() -> bool:
+        verdicts = {e["resource"]["prefect.resource.id"] for e in events(server, "safepoint.checkpoint.verified")}
+        return ({"safepoint.checkpoint.sec.1", "safepoint.checkpoint.sec.2"} <= verdicts
+                and len(events(server, "prefect.flow-run.Completed")) >= 2)
+
+    deadline = time.monotonic() + 60
+    while not persisted() and time.monotonic() < deadline:
+        time.sleep(0.5)
     files = [f for f in server.home.rglob("*") if f.is_file()]
     db = [f for f in files if f.name.startswith("prefect.db")]
     assert any(f.name.endswith("-wal") for f in db) or db
@@ -271,19 +280,23 @@ def test_shipped_automations_fire(client_env, tmp_path):
     rejected = again.stdout.split("safepoint-checkpoint-rejected (", 1)[1].split(")", 1)[0]
 
     run = f"auto-{uuid.uuid4().hex[:8]}"
-    stuck, fine, bad = (f"safepoint.checkpoint.{run}.{n}" for n in (1, 2, 3))
+    stuck, fine, bad, last = (f"safepoint.checkpoint.{run}.{n}" for n in (1, 2, 3, 4))
+    # `last` is committed after `fine` and never verified: once it has fired, `fine`'s window (opened
+    # before it) has closed too, and `fine` must not have fired (no fixed sleep for that window).
     emit(("safepoint.checkpoint.committed", stuck), ("safepoint.checkpoint.committed", fine),
-         ("safepoint.checkpoint.verified", fine), ("safepoint.checkpoint.invalid", bad))
-    deadline, fired = time.monotonic() + 90, []
-    while time.monotonic() < deadline and not fired:
-        time.sleep(2)
-        fired = events(server, "prefect.automation.triggered", f"prefect.automation.{ident}")
-    assert fired, "the proactive automation did not fire"
-    time.sleep(11)  # the verified checkpoint's window has closed too: it must not have fired
-    labels = [e["payload"]["triggering_labels"]["prefect.resource.id"]
-              for e in events(server, "prefect.automation.triggered", f"prefect.automation.{ident}")
-              if run in e["payload"]["triggering_labels"]["prefect.resource.id"]]
-    assert labels == [stuck]
+         ("safepoint.checkpoint.verified", fine), ("safepoint.checkpoint.invalid", bad),
+         ("safepoint.checkpoint.committed", last))
+
+    def fired() -> list[str]:
+        return sorted(e["payload"]["triggering_labels"]["prefect.resource.id"]
+                      for e in events(server, "prefect.automation.triggered", f"prefect.automation.{ident}")
+                      if run in e["payload"]["triggering_labels"]["prefect.resource.id"])
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and last not in fired():
+        time.sleep(1)
+    assert stuck in fired() and last in fired(), "the proactive automation did not fire"
+    assert fired() == sorted([stuck, last])  # not for the verified checkpoint, not twice
     # The reactive one: the invalid checkpoint, and only it.
     assert [e["payload"]["triggering_labels"]["prefect.resource.id"]
             for e in events(server, "prefect.automation.triggered", f"prefect.automation.{rejected}")] == [bad]

@@ -96,6 +96,7 @@ def _key(b: Block) -> str:
     return words[1] if words[0] == "safepoint" else words[0]
 
 
+@pytest.mark.slow  # a new user's local Prefect server, a process per block
 def test_the_tour_runs_as_written(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -224,6 +225,7 @@ def trained(request, tmp_path_factory, prefect_api):
     return Trained(name, work, catalog_url, namespace, resume)
 
 
+@pytest.mark.slow  # four trainers trained and ingested
 def test_trainer_snippet_seals_what_it_saves_and_each_is_verified(trained):
     from safepoint.catalog.store import open_catalog
 
@@ -231,6 +233,7 @@ def test_trainer_snippet_seals_what_it_saves_and_each_is_verified(trained):
     assert views and all(str(v.state) == "verified" for v in views), [(v.step, str(v.state)) for v in views]
 
 
+@pytest.mark.slow
 def test_trainer_snippet_resumes_from_a_restore(trained, monkeypatch):
     monkeypatch.chdir(trained.work)
     monkeypatch.setenv("SAFEPOINT_CATALOG_URL", trained.catalog_url)

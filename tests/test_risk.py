@@ -98,6 +98,7 @@ def test_suggest_cadence_bounds():
     assert suggest_cadence(0.001, 0.002)[0] == timedelta(hours=5)
 
 
+@pytest.mark.catalog_backends
 def test_cli_risk(catalog, catalog_url, tmp_path, capsys):
     for s in (1, 2, 3):
         seed(catalog, tmp_path, "k", s, size=10_000)

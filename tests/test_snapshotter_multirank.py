@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 TIMEOUT = 120
 
+pytestmark = pytest.mark.slow  # a process group of ranks per test
+
 
 def _free_port() -> int:
     with socket.socket() as s:

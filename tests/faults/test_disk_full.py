@@ -29,25 +29,7 @@ from safepoint.ops import ingest as pipeline
 from safepoint.ops.reconcile import reconcile
 from tests.faults.conftest import figures
 from tests.faults.world import copy_template
-
-
-def required() -> bool:
-    """CI (CI=true, or SAFEPOINT_REQUIRE_DISKFULL=1 as .ci/run sets) must run these tests, never skip them."""
-    return (os.environ.get("SAFEPOINT_REQUIRE_DISKFULL") == "1"
-            or os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"))
-
-
-def mount_tmpfs(mnt: Path, size: str = "2m") -> None:
-    """Mount a tmpfs at `mnt`; where that is not allowed, skip, or fail when the tests are required."""
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        why = f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {e} {detail.decode().strip()}"
-        if required():
-            pytest.fail(f"{why}; the disk-full tests are required here (CI / SAFEPOINT_REQUIRE_DISKFULL=1)")
-        pytest.skip(why)
+from tests.helpers_disk import mount_tmpfs
 
 
 @pytest.fixture

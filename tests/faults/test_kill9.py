@@ -105,6 +105,7 @@ def kill_loop(catalog_url: str, backend: str, tmp_path: Path, template: Path, fo
     return stats
 
 
+@pytest.mark.slow
 def test_kill9_loop_sqlite(sqlite_catalog_url, tmp_path, template, fork_server):
     stats = kill_loop(sqlite_catalog_url, "sqlite", tmp_path, template, fork_server, seed=8)
     assert stats["iterations"] >= 100 or "SAFEPOINT_FAULT_ITERATIONS" in os.environ
@@ -114,6 +115,7 @@ def test_kill9_loop_sqlite(sqlite_catalog_url, tmp_path, template, fork_server):
         assert stats.get(f"killed_in_{phase}", 0) > 0, stats
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_kill9_loop_postgres(postgres_catalog_url, tmp_path, template, fork_server):
     stats = kill_loop(postgres_catalog_url, "postgres", tmp_path, template, fork_server, seed=80)

@@ -28,6 +28,8 @@ from safepoint.rules.retention import KeepLastN
 from tests.faults.conftest import figures
 from tests.faults.world import ForkServer, World, check, copy_template
 
+pytestmark = pytest.mark.catalog_backends  # catalog-level: on SQLite and PostgreSQL
+
 ROUNDS = 4
 
 
