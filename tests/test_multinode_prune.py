@@ -46,7 +46,8 @@ def assembled(tmp_path, catalog, durable: str, run: str, step: int) -> int:
 def record_deletes(mp: pytest.MonkeyPatch, durable: str, kill_before: int | None = None) -> list:
     """Every delete the destination's class is asked for, in order: a control file's name, or the
     set of data paths of one `delete_files` call; with `kill_before`, that call raises Killed."""
-    cls = type(open_destination(durable))
+    dest = open_destination(durable)
+    cls = type(getattr(dest, "inner", dest))  # the backend, under the retry layer
     calls: list = []
 
     def wrap(name: str, record):
