@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 
 from safepoint.cli.common import EXIT_BAD, EXIT_OK, _catalog, err, out, run_hint
+from safepoint.cli.registry import step_arg
 from safepoint.core.errors import UsageError
 
 
@@ -168,7 +169,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     s = sub.add_parser("lineage")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_lineage)
 
@@ -184,20 +185,20 @@ def register(sub: Any) -> None:
 
     s = sub.add_parser("pin")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("--off", action="store_true", help="unpin")
     s.set_defaults(fn=cmd_pin)
 
     s = sub.add_parser("tag")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("tags", nargs="+", metavar="TAG", help="tags to add (or remove)")
     s.add_argument("--remove", action="store_true", help="remove these tags instead")
     s.set_defaults(fn=cmd_tag)
 
     s = sub.add_parser("metric")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("values", nargs="+", metavar="NAME=VALUE", help="metrics, e.g. val_loss=2.31")
     s.set_defaults(fn=cmd_metric)
 

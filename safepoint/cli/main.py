@@ -25,9 +25,9 @@ from safepoint.cli.common import (
     watch_here,
 )
 from safepoint.cli.console import plain_table
-from safepoint.cli.guard import exit_now, guarded
+from safepoint.cli.guard import checked_output, exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
-from safepoint.cli.registry import add_commands, add_global_options
+from safepoint.cli.registry import add_commands, add_global_options, parent_arg, step_arg
 from safepoint.core.errors import SafepointError, UsageError
 
 
@@ -37,19 +37,10 @@ def ensure_api(on_start: Callable[[str], None] | None = None) -> str:
 
     return ensure(on_start=on_start)
 
-def _parent(text: str | None) -> tuple[str, int] | None:
-    if not text:
-        return None
-    run, sep, step = text.rpartition(":")
-    if not sep or not step.isdigit():
-        raise UsageError(f"--parent must be RUN:STEP, got {text!r}")
-    return run, int(step)
-
-
 def cmd_commit(args) -> int:
     from safepoint.local.commit import commit
 
-    m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
+    m = commit(args.dir, args.run, args.step, parent=args.parent, world_size=args.world_size,
                ranks=args.ranks, node=args.node, reseal=args.reseal)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
@@ -320,8 +311,8 @@ def register(sub) -> None:
     s = sub.add_parser("commit")
     s.add_argument("dir", metavar="DIR", help="the folder the training job wrote")
     s.add_argument("--run", required=True, help="run name, e.g. llama-7b")
-    s.add_argument("--step", type=int, required=True, help="training step of this checkpoint")
-    s.add_argument("--parent", help="RUN:STEP this checkpoint resumed or forked from")
+    s.add_argument("--step", type=step_arg, required=True, help="training step of this checkpoint")
+    s.add_argument("--parent", type=parent_arg, help="RUN:STEP this checkpoint resumed or forked from")
     s.add_argument("--world-size", type=int, default=1, help="ranks of a multi-node checkpoint (default 1)")
     s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
     s.add_argument("--node", help="host name for multi-node checkpoints")
@@ -352,7 +343,7 @@ def register(sub) -> None:
     s = sub.add_parser("resume-point")
     s.add_argument("--run", required=True, help="the run to resume")
     s.add_argument("--min-replicas", type=int, default=1, help="verified durable replicas required (default 1)")
-    s.add_argument("--max-step", type=int, help="only checkpoints at or below this step")
+    s.add_argument("--max-step", type=step_arg, help="only checkpoints at or below this step")
     s.add_argument("--before", metavar="TIME", help="only checkpoints created before TIME (ISO 8601, or 2h/3d ago)")
     s.add_argument("--tag", help="only checkpoints with this tag")
     s.add_argument("--explain", action="store_true", help="say why each newer checkpoint was passed over")
@@ -392,9 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(argv) if argv is not None else sys.argv[1:]
     verbose = "-v" in words or "--verbose" in words
     quiet_prefect(verbose)
+    if argv is None:  # the process's own stdout: lost output is an error (cli/guard.py)
+        checked_output()
     code = guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
     if argv is None:  # the process is the command (console script, `python -m safepoint.cli`)
-        exit_now(code)
+        code = exit_now(code)
     return code
 
 

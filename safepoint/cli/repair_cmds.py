@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
+from safepoint.cli.registry import step_arg
 
 # Findings that need a person: nothing automatic can fix them.
 UNRESOLVED = frozenset({"conflict", "unreadable", "no_good_copy", "checkpoint_corrupt", "replica_corrupt",
@@ -98,7 +99,7 @@ def register(subparsers) -> None:
                    help="how long a partial replica or temporary file must be untouched before it is removed, "
                         "and an ingest stuck before it is finished or abandoned (default 3600)")
     s.add_argument("--run", help="only this run")
-    s.add_argument("--step", type=int, help="only this step (with --run)")
+    s.add_argument("--step", type=step_arg, help="only this step (with --run)")
     s.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     s.add_argument("--no-repair", action="store_true", help="do not re-replicate bad replicas")
     s.add_argument("--no-finish", action="store_true", help="leave stuck ingests alone")

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _fast_catalog, err, out, run_hint
+from safepoint.cli.registry import step_arg
 
 
 def _size(n: int) -> str:
@@ -57,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("restore")
     s.add_argument("--run", required=True, help="the run to restore")
     s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
-    s.add_argument("--step", type=int, help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
+    s.add_argument("--step", type=step_arg,
+                   help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
     s.add_argument("--from", dest="sources", action="append", metavar="URL",
                    help="read only from this replica or destination (repeatable, in order of preference)")
     s.add_argument("--min-replicas", type=int, default=1, help="verified replicas the resume point needs")

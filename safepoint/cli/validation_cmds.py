@@ -14,6 +14,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from safepoint.cli.registry import step_arg
 from safepoint.core.exits import EXIT_BAD, EXIT_OK
 from safepoint.validation.report import consistency_line, finding_rows, tensor_rows
 
@@ -21,7 +22,7 @@ from safepoint.validation.report import consistency_line, finding_rows, tensor_r
 def register(subparsers: Any) -> None:
     s = subparsers.add_parser("show")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list N tensors (flagged first, then the largest norms)")
     s.add_argument("--json", action="store_true", help="the stored report (and stats with --tensors) as JSON")

@@ -1,0 +1,125 @@
+"""Hostile inputs, round four, through the real command line (issue 37): output that cannot be
+written, names that carry markup or terminal control sequences, catalog URL forms, steps past int64.
+
+Each case runs `python -m safepoint.cli` as a process where the behaviour is the process's own (its
+exit code, its stdout): a lost answer is exit 2 with one line, never 0 or a verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from safepoint.catalog import db, open_catalog
+from tests.helpers_catalog import local_folder, seed
+
+ONE_LINE = "safepoint: error: could not write output: "
+
+
+def _env(home: Path, catalog_url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # Python's own buffering, as users run it
+    return {**env, "SAFEPOINT_HOME": str(home), "SAFEPOINT_CATALOG_URL": catalog_url}
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Two verified checkpoints r/5 <- r/6 in a SQLite catalog, and the environment that names it."""
+    root = tmp_path_factory.mktemp("round4")
+    url = f"sqlite:///{root / 'catalog.db'}"
+    cat = open_catalog(url)
+    seed(cat, root, "r", 5, tags=("a",))
+    seed(cat, root, "r", 6, parent=("r", 5))
+    db.dispose(url)
+    return root, _env(root / "home", url)
+
+
+def safepoint(env: dict[str, str], *args: object, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "safepoint.cli", *map(str, args)], env=env, text=True,
+                          timeout=120, **kwargs)
+
+
+def _close_stdout() -> None:
+    os.close(1)  # `safepoint ... >&-`: the process starts without a stdout
+
+
+def assert_output_lost(p: subprocess.CompletedProcess) -> str:
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    assert lines and lines[-1].startswith(ONE_LINE), p.stderr
+    assert sum(line.startswith("safepoint: error:") for line in lines) == 1, p.stderr
+    return lines[-1]
+
+
+# ------------------------------------------------------------------------------------ output errors
+
+def _reads(root: Path) -> list[tuple[str, ...]]:
+    folder = str(local_folder(root, "r", 5))
+    return [("ls",), ("ls", "--json"), ("resume-point", "--run", "r"), ("resume-point", "--run", "r", "--json"),
+            ("show", "r", "5", "--json"), ("lineage", "r", "6"), ("lineage", "r", "6", "--json"),
+            ("verify", folder), ("verify", folder, "--json"), ("validate", folder, "--json"),
+            ("risk", "--run", "r", "--json"), ("metrics",), ("--help",)]
+
+
+def test_every_read_command_with_its_output_lost_exits_2_in_one_line(seeded) -> None:
+    """stdout on a full disk (/dev/full) or closed (`>&-`): the answer is lost, so the exit is 2,
+    never 0 (a success nobody saw) nor 1 (a verdict), with one line and no traceback."""
+    root, env = seeded
+    for args in _reads(root):
+        shown = safepoint(env, *args, capture_output=True)
+        assert shown.stdout.strip() and shown.returncode in (0, 1), (args, shown.stderr)  # there is an answer
+        with open(os.devnull if not Path("/dev/full").exists() else "/dev/full", "w") as full:
+            lost = safepoint(env, *args, stdout=full, stderr=subprocess.PIPE)
+        assert "No space left on device" in assert_output_lost(lost), args
+        closed = safepoint(env, *args, stderr=subprocess.PIPE, preexec_fn=_close_stdout)
+        assert assert_output_lost(closed).endswith("stdout is closed"), args
+
+
+def test_a_verdict_printed_only_on_stderr_keeps_its_code_with_stdout_closed(seeded) -> None:
+    """Nothing was lost when a command writes nothing to stdout: `show` of a never-validated
+    checkpoint is still the verdict 1, its line on stderr."""
+    _root, env = seeded
+    p = safepoint(env, "show", "r", "5", stderr=subprocess.PIPE, preexec_fn=_close_stdout)
+    assert (p.returncode, p.stderr.strip()) == (1, "r/5: verified; never validated")
+
+
+def test_a_reader_that_goes_away_is_still_141_not_an_output_error(seeded) -> None:
+    _root, env = seeded
+    p = subprocess.run(f"{sys.executable} -m safepoint.cli ls --json | head -c 1 >/dev/null; "
+                       "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", env=env, text=True,
+                       capture_output=True, timeout=120)
+    assert p.returncode in (0, 141) and "error" not in p.stderr, p.stderr  # 0: it was all written first
+
+
+# ------------------------------------------------------------------------------------ steps past int64
+
+BIG = 2**64
+
+
+@pytest.mark.parametrize("args", [
+    ("show", "r", BIG), ("lineage", "r", BIG), ("pin", "r", BIG), ("tag", "r", BIG, "t"),
+    ("metric", "r", BIG, "loss=1"), ("restore", "--run", "r", "--into", "{tmp}/x", "--step", BIG),
+    ("commit", "{tmp}", "--run", "r", "--step", BIG), ("commit", "{tmp}", "--run", "r", "--step", 7, "--parent",
+                                                        f"r:{BIG}"),
+    ("resume-point", "--run", "r", "--max-step", BIG), ("reconcile", "--run", "r", "--step", BIG),
+    ("show", "r", -1), ("show", "r", 2**63), ("show", "r", "1e3"), ("commit", "{tmp}", "--run", "r", "--step", "-5"),
+])
+def test_a_step_outside_int64_is_a_usage_error_in_every_argument(seeded, tmp_path: Path, args) -> None:
+    _root, env = seeded
+    work = tmp_path / "work"
+    work.mkdir()
+    p = safepoint(env, *(str(a).format(tmp=work) for a in args), capture_output=True)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("safepoint: error: invalid step ") and "[0, 2**63 - 1]" in lines[0], p.stderr
+    assert not list(work.iterdir()), "nothing is written for a refused command"
+
+
+def test_the_largest_step_is_accepted(seeded, tmp_path: Path) -> None:
+    _root, env = seeded
+    p = safepoint(env, "show", "r", 2**63 - 1, capture_output=True)
+    assert (p.returncode, p.stderr.strip()) == (1, f"no checkpoint r/{2**63 - 1} in the catalog")
