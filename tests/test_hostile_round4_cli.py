@@ -123,3 +123,101 @@ def test_the_largest_step_is_accepted(seeded, tmp_path: Path) -> None:
     _root, env = seeded
     p = safepoint(env, "show", "r", 2**63 - 1, capture_output=True)
     assert (p.returncode, p.stderr.strip()) == (1, f"no checkpoint r/{2**63 - 1} in the catalog")
+
+
+# ------------------------------------------------------------------------------------ names are data
+
+#: a name that would set the terminal's title, move the cursor home and turn the text red, and markup
+HOSTILE = "\x1b]0;pwned\x07\r\x1b[31m[bold]"
+SEEN = r"\x1b]0;pwned\x07\r\x1b[31m[bold]"  # what the user sees instead
+
+
+def _prefect_env(env: dict[str, str], api: str, tmp_path: Path) -> dict[str, str]:
+    return {**env, "PREFECT_API_URL": api, "SAFEPOINT_HOME": str(tmp_path / "home"),
+            "SAFEPOINT_CATALOG_URL": f"sqlite:///{tmp_path / 'catalog.db'}"}
+
+
+def _assert_inert(*texts: str) -> None:
+    """No byte of a hostile name reached the console raw: no escape, bell or carriage return."""
+    for text in texts:
+        assert not {"\x1b", "\x07", "\r"} & set(text), repr(text)
+        assert "MarkupError" not in text and "Traceback" not in text, text
+
+
+def test_watch_ingests_a_folder_whose_name_is_markup(seeded, prefect_api, tmp_path: Path) -> None:
+    """`exp[/]` under a watched root: ingested (exit 0), its name printed as it is."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from safepoint.local.commit import commit
+
+    _root, env = seeded
+    env = _prefect_env(env, prefect_api, tmp_path)
+    folder = tmp_path / "nvme" / "exp[" / "]"  # the path reads nvme/exp[/]
+    folder.mkdir(parents=True)
+    save_file({"w": np.ones(4, np.float32)}, str(folder / "model.safetensors"))
+    commit(folder, "markup", 1)
+    p = safepoint(env, "watch", tmp_path / "nvme", "--to", (tmp_path / "durable").as_uri(), "--once",
+                  capture_output=True)
+    assert p.returncode == 0, p.stderr
+    assert "markup/1: verified" in p.stdout
+    assert f"ingesting {folder.resolve()}" in p.stderr  # exp[/] itself, not markup
+    ls = safepoint(env, "ls", "--json", capture_output=True)
+    assert [(c["run"], c["step"], c["state"]) for c in __import__("json").loads(ls.stdout)] == \
+        [("markup", 1, "verified")]
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, prefect_api) -> tuple[Path, dict[str, str]]:
+    """A checkpoint in a folder whose name is an escape sequence and markup, with NaN in a tensor
+    named `layer[/b].weight` and in one named with escape sequences; ingested through the CLI."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from safepoint.local.commit import commit
+
+    tmp = tmp_path_factory.mktemp("hostile")
+    env = _prefect_env(_env(tmp, ""), prefect_api, tmp)
+    folder = tmp / "nvme" / f"exp{HOSTILE}x" / "step-3"
+    folder.mkdir(parents=True)
+    save_file({"layer[/b].weight": np.array([1.0, np.nan], np.float32),
+               f"evil{HOSTILE}.weight": np.array([np.nan], np.float32), "ok": np.ones(3, np.float32)},
+              str(folder / "model.safetensors"))
+    commit(folder, "evil", 3)
+    p = safepoint(env, "ingest", folder, "--to", (tmp / "durable").as_uri(), capture_output=True)
+    assert p.returncode == 1, p.stderr  # a verdict: NaN in a parameter
+    assert "evil/3: invalid" in p.stdout
+    _assert_inert(p.stdout, p.stderr)
+    return folder, env
+
+
+def test_show_prints_the_report_of_a_tensor_named_with_markup(hostile) -> None:
+    _folder, env = hostile
+    for extra in ((), ("--tensors", "5")):
+        p = safepoint(env, "show", "evil", 3, *extra, capture_output=True)
+        assert p.returncode == 1, p.stderr  # the verdict, not exit 2
+        assert "Failures (2)" in p.stdout and "layer[/b].weight" in p.stdout and f"evil{SEEN}.weight" in p.stdout
+        _assert_inert(p.stdout, p.stderr)
+
+
+def test_validate_prints_each_finding_of_a_hostile_name_visibly(hostile) -> None:
+    folder, env = hostile
+    p = safepoint(env, "validate", folder, capture_output=True)
+    assert p.returncode == 1, p.stderr
+    assert "layer[/b].weight: nan: " in p.stderr and f"evil{SEEN}.weight: nan: " in p.stderr
+    assert f"exp{SEEN}x" in p.stderr
+    _assert_inert(p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["plain", "rich"])
+def test_ls_shows_a_hostile_folder_name_visibly(hostile, terminal: bool) -> None:
+    """Piped, `ls` writes plain lines; with FORCE_COLOR it is rich's table: neither passes the name raw."""
+    folder, env = hostile
+    p = safepoint({**env, "FORCE_COLOR": "1"} if terminal else env, "ls", capture_output=True)
+    assert p.returncode == 0, p.stderr
+    assert f"exp{SEEN}x" in p.stdout.replace("\n", "")  # a rich table may wrap nothing: WIDE
+    if terminal:  # rich's own colours are escapes; the name's are not among them
+        assert "\x1b]" not in p.stdout and "\x07" not in p.stdout and "\r" not in p.stdout
+        assert "\x1b[31m" not in p.stdout
+    else:
+        _assert_inert(p.stdout, p.stderr)

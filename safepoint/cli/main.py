@@ -24,7 +24,7 @@ from safepoint.cli.common import (
     run_ingest_flow,
     watch_here,
 )
-from safepoint.cli.console import plain_table
+from safepoint.cli.console import inert, plain_table
 from safepoint.cli.guard import checked_output, exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
 from safepoint.cli.registry import add_commands, add_global_options, parent_arg, step_arg
@@ -56,7 +56,7 @@ def cmd_ingest(args) -> int:
     try:
         snap = LocalSnapshot.open(folder)
     except SafepointError as e:
-        err.print(f"[red]corrupt[/red] {args.dir}: {e}")
+        err.print(f"[red]corrupt[/red] {inert(args.dir)}: {inert(e)}")
         return EXIT_BAD
     urls = check_destinations_here(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
@@ -74,9 +74,9 @@ def cmd_ingest(args) -> int:
     else:
         out.print(f"{result['run']}/{result['step']}: [bold]{result['state']}[/bold] in {dt:.2f}s")
         for r in result["replicas"]:
-            out.print(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
+            out.print(inert(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else "")))
         if result["state"] != "verified" and result.get("message"):
-            out.print(f"  {result['message']}")
+            out.print(f"  {inert(result['message'])}")
     return _ingest_exit(result)
 
 
@@ -108,24 +108,24 @@ def cmd_ls(args) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     if args.run and not rows:
-        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(_catalog(args), args.run)}")
+        err.print(inert(f"no checkpoints recorded for run {args.run!r}{run_hint(_catalog(args), args.run)}"))
     headers = ("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
 
-    def cells(r: dict, sep: str) -> tuple[str, ...]:
-        reps = sep.join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
+    def cells(r: dict, sep: str, name: Callable[[str], str] = str) -> tuple[str, ...]:
+        """A checkpoint's cells; `name` makes each value (a replica each) safe for the table it goes to."""
+        reps = sep.join(name(f"{x['url']} ({x['state']})") for x in r["replicas"]) or "-"
         marks = " ".join((["pinned"] if r["pinned"] else []) + r["tags"]) or "-"
-        return (r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-",
-                r["parent"] or "-", marks)
+        return (r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, name(r["local_path"] or "-"),
+                r["parent"] or "-", name(marks))
 
     if not out.is_terminal:  # a pipe or a file: whole values, one line per checkpoint, no rich import
         out.file.write(plain_table(headers, (cells(r, ", ") for r in rows)) + "\n")
         return EXIT_OK
-    from rich.markup import escape
     from rich.table import Table
 
     table = Table(*headers)
     for r in rows:
-        table.add_row(*(escape(c) for c in cells(r, "\n")))
+        table.add_row(*cells(r, "\n", inert))
     out.print(table)
     return EXIT_OK
 
@@ -147,14 +147,14 @@ def cmd_resume_point(args) -> int:
         if decision.scope:
             err.print("considered only checkpoints " + ", ".join(decision.scope))
         for c, why in decision.passed_over:
-            err.print(f"skipped {c.run}/{c.step}: {why}")
+            err.print(f"skipped {c.run}/{c.step}: {inert(why)}")
     c = decision.chosen
     if c is None:
         if args.json:
             print(json.dumps({"run": args.run, "step": None, "url": None, "urls": [], "passed_over": passed}))
         known = bool(passed) or cat.get_run_id(args.run) is not None
-        err.print(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
-                  if known else f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}")
+        err.print(inert(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
+                        if known else f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}"))
         return EXIT_BAD
     urls = decision.urls
     doc = {"run": c.run, "step": c.step, "url": urls[0] if urls else None, "urls": urls,
@@ -166,9 +166,9 @@ def cmd_resume_point(args) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        out.print(f"{c.run} step {c.step}: {doc['url'] or c.local_path}")
+        out.print(f"{c.run} step {c.step}: {inert(doc['url'] or c.local_path)}")
         for u in urls[1:]:
-            out.print(f"  also {u}")
+            out.print(f"  also {inert(u)}")
     return EXIT_OK
 
 
@@ -207,7 +207,8 @@ def cmd_verify(args) -> int:
                           "bytes_checked": report.bytes_checked, "error": report.error,
                           "files": {path: str(status) for path, status in report.files.items()}}, indent=1))
     else:
-        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
+        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}",
+                                     markup=False)
     return EXIT_OK if good else EXIT_BAD
 
 
@@ -235,10 +236,10 @@ def cmd_validate(args) -> int:
         print(json.dumps({"path": path, **report.to_dict()}, indent=1, default=str))
         return EXIT_OK if report.ok else EXIT_BAD
     for f in report.findings:
-        err.print(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
+        err.print(inert(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}"))
     for f in report.warnings:
-        err.print(f"  warning: {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
-    (out if report.ok else err).print(f"{path}: {report.outcome}: {report.summary()}")
+        err.print(inert(f"  warning: {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}"))
+    (out if report.ok else err).print(inert(f"{path}: {report.outcome}: {report.summary()}"))
     return EXIT_OK if report.ok else EXIT_BAD
 
 

@@ -33,9 +33,9 @@ def _print_report(report: Any, as_json: bool) -> None:
         verb = s.action if s.done else (f"would {s.action}" if report.dry_run and s.action not in UNRESOLVED
                                         else s.action)
         where = f"{s.run}/{s.step} " if s.run is not None else ""
-        out.print(f"{verb}: {where}{s.where}" + (f" ({s.detail})" if s.detail else ""))
+        out.print(f"{verb}: {where}{s.where}" + (f" ({s.detail})" if s.detail else ""), markup=False)
     for e in report.errors:
-        err.print(f"error: {e}")
+        err.print(f"error: {e}", markup=False)
     if not report.steps and not report.errors:
         out.print("consistent: nothing to do")
 
@@ -82,12 +82,12 @@ def cmd_scrub(args) -> int:
                   f"{summary['problems']} with problems")
         for r in summary["rows"]:
             if r["outcome"] != "ok":
-                out.print(f"  {r['url']}: {r['outcome']}")
+                out.print(f"  {r['url']}: {r['outcome']}", markup=False)
         for s in (summary.get("repair") or {}).get("steps", []):
-            out.print(f"  {s['action']}: {s['run']}/{s['step']} {s['where']}" + (f" ({s['detail']})"
-                                                                                   if s["detail"] else ""))
+            detail = f" ({s['detail']})" if s["detail"] else ""
+            out.print(f"  {s['action']}: {s['run']}/{s['step']} {s['where']}{detail}", markup=False)
     for url in summary["unrepaired"]:
-        err.print(f"still bad: {url}")
+        err.print(f"still bad: {url}", markup=False)
     return EXIT_BAD if summary["unrepaired"] else EXIT_OK
 
 
