@@ -168,7 +168,7 @@ def test_watch_ingests_a_folder_whose_name_is_markup(seeded, prefect_api, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def hostile(tmp_path_factory, prefect_api) -> tuple[Path, dict[str, str]]:
+def hostile(tmp_path_factory, prefect_api) -> tuple[Path, dict[str, str], subprocess.CompletedProcess]:
     """A checkpoint in a folder whose name is an escape sequence and markup, with NaN in a tensor
     named `layer[/b].weight` and in one named with escape sequences; ingested through the CLI."""
     import numpy as np
@@ -184,15 +184,19 @@ def hostile(tmp_path_factory, prefect_api) -> tuple[Path, dict[str, str]]:
                f"evil{HOSTILE}.weight": np.array([np.nan], np.float32), "ok": np.ones(3, np.float32)},
               str(folder / "model.safetensors"))
     commit(folder, "evil", 3)
-    p = safepoint(env, "ingest", folder, "--to", (tmp / "durable").as_uri(), capture_output=True)
+    return folder, env, safepoint(env, "ingest", folder, "--to", (tmp / "durable").as_uri(), capture_output=True)
+
+
+def test_ingest_reports_a_hostile_checkpoint_with_its_names_visible(hostile) -> None:
+    _folder, _env, p = hostile
     assert p.returncode == 1, p.stderr  # a verdict: NaN in a parameter
     assert "evil/3: invalid" in p.stdout
+    assert "layer[/b].weight: 1 NaN values" in p.stdout and f"evil{SEEN}.weight: 1 NaN values" in p.stdout
     _assert_inert(p.stdout, p.stderr)
-    return folder, env
 
 
 def test_show_prints_the_report_of_a_tensor_named_with_markup(hostile) -> None:
-    _folder, env = hostile
+    _folder, env, _ingest = hostile
     for extra in ((), ("--tensors", "5")):
         p = safepoint(env, "show", "evil", 3, *extra, capture_output=True)
         assert p.returncode == 1, p.stderr  # the verdict, not exit 2
@@ -201,7 +205,7 @@ def test_show_prints_the_report_of_a_tensor_named_with_markup(hostile) -> None:
 
 
 def test_validate_prints_each_finding_of_a_hostile_name_visibly(hostile) -> None:
-    folder, env = hostile
+    folder, env, _ingest = hostile
     p = safepoint(env, "validate", folder, capture_output=True)
     assert p.returncode == 1, p.stderr
     assert "layer[/b].weight: nan: " in p.stderr and f"evil{SEEN}.weight: nan: " in p.stderr
@@ -212,7 +216,7 @@ def test_validate_prints_each_finding_of_a_hostile_name_visibly(hostile) -> None
 @pytest.mark.parametrize("terminal", [False, True], ids=["plain", "rich"])
 def test_ls_shows_a_hostile_folder_name_visibly(hostile, terminal: bool) -> None:
     """Piped, `ls` writes plain lines; with FORCE_COLOR it is rich's table: neither passes the name raw."""
-    folder, env = hostile
+    folder, env, _ingest = hostile
     p = safepoint({**env, "FORCE_COLOR": "1"} if terminal else env, "ls", capture_output=True)
     assert p.returncode == 0, p.stderr
     assert f"exp{SEEN}x" in p.stdout.replace("\n", "")  # a rich table may wrap nothing: WIDE
