@@ -7,6 +7,7 @@ exit code, its stdout): a lost answer is exit 2 with one line, never 0 or a verd
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def test_watch_ingests_a_folder_whose_name_is_markup(seeded, prefect_api, tmp_pa
     assert "markup/1: verified" in p.stdout
     assert f"ingesting {folder.resolve()}" in p.stderr  # exp[/] itself, not markup
     ls = safepoint(env, "ls", "--json", capture_output=True)
-    assert [(c["run"], c["step"], c["state"]) for c in __import__("json").loads(ls.stdout)] == \
+    assert [(c["run"], c["step"], c["state"]) for c in json.loads(ls.stdout)] == \
         [("markup", 1, "verified")]
 
 
@@ -225,3 +226,43 @@ def test_ls_shows_a_hostile_folder_name_visibly(hostile, terminal: bool) -> None
         assert "\x1b[31m" not in p.stdout
     else:
         _assert_inert(p.stdout, p.stderr)
+
+
+# ------------------------------------------------------------------------------------ catalog URL forms
+
+URL_FORMS = [
+    "sqlite:////abs/cat.db", "sqlite:///rel/cat.db", "sqlite+pysqlite:////abs/cat.db", "SQLite:////abs/cat.db",
+    "sqlite:////abs/a%20b.db", "sqlite:////abs/cat.db?timeout=5", "sqlite:////abs/cat.db?check_same_thread=false",
+    "sqlite:///file:/abs/cat.db?uri=true", "sqlite:///file:/abs/cat.db?mode=ro&uri=true",
+    "sqlite:///file:cat.db?uri=true&immutable=1", "sqlite:////abs/cat.db?mode=ro", "sqlite:////abs/cat.db#x",
+    "sqlite:///~/cat.db", "sqlite://", "sqlite:///:memory:", "sqlite://host/abs/cat.db", "sqlite+aiosqlite:////a.db",
+    "sqlite+pysqlcipher://:key@//abs/cat.db", "postgresql://host/db",
+]
+
+
+@pytest.mark.parametrize("url", URL_FORMS)
+def test_the_fast_path_reads_exactly_the_file_sqlalchemy_opens_or_leaves_the_url_to_it(url: str) -> None:
+    """ls (catalog.listing), restore and resume-point (catalog.lite) and verify (catalog.probe) read a
+    SQLite catalog with sqlite3 alone through `sqlite_file`: its answer must be SQLAlchemy's file."""
+    from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
+    from sqlalchemy.engine import make_url
+
+    from safepoint.catalog.probe import sqlite_file
+
+    fast = sqlite_file(url)
+    if fast is None:
+        return  # left to the catalog proper: SQLAlchemy reads it, or refuses it (exit 2, one line)
+    args, kwargs = SQLiteDialect_pysqlite().create_connect_args(make_url(url))
+    assert not kwargs.get("uri") and args[0] != ":memory:"
+    assert os.path.abspath(fast) == args[0]
+
+
+def test_ls_of_a_uri_catalog_url_lists_what_resume_point_finds(seeded, tmp_path: Path) -> None:
+    root, env = seeded
+    env = {**env, "SAFEPOINT_CATALOG_URL": f"sqlite:///file:{root / 'catalog.db'}?uri=true"}
+    found = safepoint(env, "resume-point", "--run", "r", capture_output=True, cwd=tmp_path)
+    assert (found.returncode, found.stdout.split(":")[0]) == (0, "r step 6")
+    listed = safepoint(env, "ls", "--json", capture_output=True, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert [(c["run"], c["step"]) for c in json.loads(listed.stdout)] == [("r", 5), ("r", 6)]
+    assert listed.stderr == ""
