@@ -10,21 +10,38 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from safepoint.core.naming import catalog_db
 
+#: the drivers whose URL names a plain file that sqlite3 opens as SQLAlchemy does (scheme compared lowercased)
+FILE_DRIVERS = ("sqlite", "sqlite+pysqlite")
+#: pysqlite's query arguments that change how a connection behaves, never which file it opens
+CONNECTION_ONLY = frozenset({"timeout", "check_same_thread", "cached_statements", "isolation_level", "detect_types"})
+
 
 def sqlite_file(url: str | None) -> Path | None:
-    """The database file of a SQLite catalog URL (None: the default, as catalog.db.default_catalog_url)."""
+    """The database file of a SQLite catalog URL (None: the default, as catalog.db.default_catalog_url):
+    exactly the file SQLAlchemy opens for it, or None when the fast path must leave the URL to SQLAlchemy.
+
+    Only the plain forms are read here: `sqlite:///relative.db`, `sqlite:////absolute.db` (with
+    `+pysqlite`, %-escapes decoded as SQLAlchemy does, connection options such as `?timeout=5`).
+    Anything else is None: another database, one in memory, and any other query argument (`?uri=true`
+    makes the path a `file:` URI with options of its own), which only SQLAlchemy applies exactly; the
+    catalog proper then reads it.
+    """
     if url is None:
         url = os.environ.get("SAFEPOINT_CATALOG_URL")
     if url is None:
         return catalog_db()
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.split("+")[0] != "sqlite" or not rest.startswith("/") or len(rest) < 2:
-        return None  # not SQLite, or in memory
-    return Path(unquote(rest[1:].split("?")[0]))
+    rest, _q, query = rest.partition("?")
+    if not sep or scheme.lower() not in FILE_DRIVERS or not rest.startswith("/"):
+        return None  # not SQLite, or a host part (which SQLAlchemy refuses)
+    if any(key not in CONNECTION_ONLY for key, _v in parse_qsl(query, keep_blank_values=True)):
+        return None  # `?uri=true` and the like: options only SQLAlchemy applies exactly
+    path = unquote(rest[1:])
+    return None if path in ("", ":memory:") else Path(path)
 
 
 def knows_local(url: str | None, local_path: str, replica_urls: list[str]) -> bool | None:

@@ -12,6 +12,8 @@ from typing import Any
 from rich.table import Table
 
 from safepoint.cli.common import EXIT_BAD, EXIT_OK, _catalog, err, out, run_hint
+from safepoint.cli.console import inert
+from safepoint.cli.registry import step_arg
 from safepoint.core.errors import UsageError
 
 
@@ -28,7 +30,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     chain = cat.lineage(args.run, args.step)
     if not chain:
-        err.print(f"no checkpoint {args.run}/{args.step} in the catalog{run_hint(cat, args.run)}")
+        err.print(f"no checkpoint {inert(args.run)}/{args.step} in the catalog{inert(run_hint(cat, args.run))}")
         return EXIT_BAD
     kids = cat.children(args.run, args.step)
     # A step re-saved after a resume from an older one: each earlier version is an abandoned branch.
@@ -70,14 +72,15 @@ def cmd_risk(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     cks, events, states = cat.risk_inputs(args.run)
     if not cks:
-        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}")
+        err.print(inert(f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}"))
         return EXIT_BAD
     r = assess(args.run, cks, events, states, ber=args.ber, target=args.target)
     if args.json:
         print(json.dumps(r.to_dict(), indent=1, default=str))
         return EXIT_OK
     rows = r.checkpoints if args.all else r.checkpoints[-args.last:]
-    table = Table("step", "state", "bytes", "copies", "P(corrupted)", title=f"{args.run}, ε = {args.ber:g} per bit")
+    table = Table("step", "state", "bytes", "copies", "P(corrupted)",
+                  title=f"{inert(args.run)}, ε = {args.ber:g} per bit")
     for c in rows:
         table.add_row(str(c.step), str(c.state), f"{c.total_bytes:,}", str(c.copies), f"{c.p:.3e}")
     out.print(table)
@@ -104,7 +107,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     row = _row(cat, args.run, args.step)
     cat.set_pinned(row.id, not args.off)
-    out.print(f"{args.run}/{args.step}: {'unpinned' if args.off else 'pinned'}")
+    out.print(f"{inert(args.run)}/{args.step}: {'unpinned' if args.off else 'pinned'}")
     return EXIT_OK
 
 
@@ -113,7 +116,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
     row = _row(cat, args.run, args.step)
     tags = set(row.tags) - set(args.tags) if args.remove else set(row.tags) | set(args.tags)
     cat.set_tags(row.id, tags)
-    out.print(f"{args.run}/{args.step}: tags {', '.join(sorted(tags)) or '-'}")
+    out.print(inert(f"{args.run}/{args.step}: tags {', '.join(sorted(tags)) or '-'}"))
     return EXIT_OK
 
 
@@ -130,8 +133,8 @@ def cmd_metric(args: argparse.Namespace) -> int:
         except ValueError:
             raise UsageError(f"metric {name}: {value!r} is not a number") from None
     cat.set_metrics(row.id, metrics)
-    out.print(f"{args.run}/{args.step}: " + ", ".join(f"{k}={v:g}" for k, v in sorted(metrics.items())
-                                                     if isinstance(v, (int, float))))
+    out.print(inert(f"{args.run}/{args.step}: " + ", ".join(f"{k}={v:g}" for k, v in sorted(metrics.items())
+                                                           if isinstance(v, (int, float)))))
     return EXIT_OK
 
 
@@ -154,11 +157,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
                            "evict": d.evict, "reason": d.reason} for d in p.decisions],
             "evicted": res.evicted, "skipped": res.skipped, "dry_run": args.dry_run}, indent=1))
         return EXIT_OK
-    out.print(f"{args.root}: fill {100 * p.usage.fill:.1f}% (high water {100 * p.high_water:.0f}%, "
+    out.print(f"{inert(args.root)}: fill {100 * p.usage.fill:.1f}% (high water {100 * p.high_water:.0f}%, "
               f"target {100 * p.low_water:.0f}%)")
     for d in p.decisions:
         verb = ("would evict" if args.dry_run else "evict") if d.evict else "keep"
-        out.print(f"{verb:11} {d.copy.run}/{d.copy.step} {d.copy.path} ({d.size:,} bytes): {d.reason}")
+        out.print(inert(f"{verb:11} {d.copy.run}/{d.copy.step} {d.copy.path} ({d.size:,} bytes): {d.reason}"))
     if not args.dry_run:
         out.print(f"evicted {len(res.evicted)} local copies" +
                   (f"; {len(res.skipped)} skipped (changed since planning)" if res.skipped else ""))
@@ -168,7 +171,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     s = sub.add_parser("lineage")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_lineage)
 
@@ -184,20 +187,20 @@ def register(sub: Any) -> None:
 
     s = sub.add_parser("pin")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("--off", action="store_true", help="unpin")
     s.set_defaults(fn=cmd_pin)
 
     s = sub.add_parser("tag")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("tags", nargs="+", metavar="TAG", help="tags to add (or remove)")
     s.add_argument("--remove", action="store_true", help="remove these tags instead")
     s.set_defaults(fn=cmd_tag)
 
     s = sub.add_parser("metric")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("values", nargs="+", metavar="NAME=VALUE", help="metrics, e.g. val_loss=2.31")
     s.set_defaults(fn=cmd_metric)
 

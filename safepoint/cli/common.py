@@ -124,7 +124,7 @@ def watch_here(args) -> int:
                 err.print(f"set aside {folder}: {e} (until its marker changes)", markup=False, highlight=False)
                 worst = max(worst, EXIT_BAD)
                 continue
-            err.print(f"ingesting {folder}")
+            err.print(f"ingesting {folder}", markup=False)
             try:
                 result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
             except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher

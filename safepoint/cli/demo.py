@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from safepoint.cli.console import inert
+
 RUN = "demo-run"
 
 
@@ -45,7 +47,7 @@ def run_demo(workdir: Path | None = None, console: Console | None = None, *, pro
     console = console or Console()
     temporary = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="safepoint-demo-")).resolve()
-    console.print(f"[bold]Safepoint demo[/bold], working in {workdir}"
+    console.print(f"[bold]Safepoint demo[/bold], working in {inert(workdir)}"
                   + (" (removed at the end)" if temporary else ""))
     code = 1
     try:
@@ -56,9 +58,9 @@ def run_demo(workdir: Path | None = None, console: Console | None = None, *, pro
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)
-            console.print(f"Removed the demo folder {workdir}.")
+            console.print(f"Removed the demo folder {inert(workdir)}.")
         else:
-            console.print(f"The demo's files are still in {workdir}.")
+            console.print(f"The demo's files are still in {inert(workdir)}.")
     return code
 
 
@@ -101,22 +103,22 @@ def _demo(workdir: Path, console: Console, steps: Any) -> int:
             console.print(f"Ingested {folder.name}: [bold]verified[/bold] (copied to durable/, read back with "
                           "every hash matching, and its model and optimizer state loaded cleanly).")
         else:
-            console.print(f"Ingested {folder.name}: [bold]{result['state']}[/bold]: {result['message'] or ''}")
+            console.print(f"Ingested {folder.name}: [bold]{result['state']}[/bold]: {inert(result['message'] or '')}")
 
     cat = open_catalog(catalog_url)
     views = cat.list_checkpoints(RUN)
     table = Table("run", "step", "state", "replicas", title="The catalog")
     for c in views:
         table.add_row(c.run, str(c.step), str(c.state),
-                      "\n".join(f"{r.url} ({r.state})" for r in c.replicas) or "-")
+                      "\n".join(inert(f"{r.url} ({r.state})") for r in c.replicas) or "-")
     console.print(table)
     decision = resume_point(views)
     for c, why in decision.passed_over:
-        console.print(f"Passed over step {c.step}: {why}.")
+        console.print(f"Passed over step {c.step}: {inert(why)}.")
     if decision.chosen is None:
         console.print("[red]No resume point.[/red]")
         return 1
-    console.print(f"[green]Resume point[/green]: {RUN} step {decision.chosen.step}, at {decision.urls[0]}")
+    console.print(f"[green]Resume point[/green]: {RUN} step {decision.chosen.step}, at {inert(decision.urls[0])}")
     steps.next("restoring the resume point")
     return _way_back(workdir, nvme, cat, console)
 
@@ -135,7 +137,7 @@ def _way_back(workdir: Path, nvme: Path, cat: object, console: Console) -> int:
     console.print(f"[yellow]Deleted the local copies[/yellow] ({nvme.relative_to(workdir)}/), as if the node "
                   "were lost.")
     result = restore(RUN, workdir / "restored", catalog=cat, config=Config())  # type: ignore[arg-type]
-    console.print(f"[green]Restored[/green] step {result.step} from {result.sources[0]} into "
+    console.print(f"[green]Restored[/green] step {result.step} from {inert(result.sources[0])} into "
                   f"{result.path.relative_to(workdir)}/: {result.bytes_fetched:,} bytes, each checked against "
                   "its BLAKE3 hash.")
     state = torch.load(result.path / "model.pt", weights_only=True)

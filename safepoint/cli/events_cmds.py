@@ -74,7 +74,7 @@ def cmd_watch(args) -> int:
     to = [hide_credentials(u) or u for u in args.to]  # event payloads are stored by Prefect: credentials by reference
     watcher = EmitWatcher(root, to, catalog, dispatcher, node, config=load_config(),
                           interval=args.interval, timeouts_every=None if args.no_timeouts else args.timeouts_every,
-                          use_inotify=not args.poll_only, on_event=lambda text: err.print(text))
+                          use_inotify=not args.poll_only, on_event=lambda text: err.print(text, markup=False))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -101,7 +101,7 @@ def cmd_parts(args) -> int:
         os.environ["SAFEPOINT_MULTINODE_TIMEOUT_S"] = str(args.timeout)
     if args.apply:
         for a in assemble.check_completeness(cat, config, run=args.run):
-            out.print(f"{a.run}/{a.step}: {a.state} ({a.assessment.summary()})")
+            out.print(f"{a.run}/{a.step}: {a.state} ({a.assessment.summary()})", markup=False)
     rows = []
     for v in cat.list_checkpoints(args.run):
         if v.world_size <= 1:

@@ -24,10 +24,10 @@ from safepoint.cli.common import (
     run_ingest_flow,
     watch_here,
 )
-from safepoint.cli.console import plain_table
-from safepoint.cli.guard import exit_now, guarded
+from safepoint.cli.console import inert, plain_table
+from safepoint.cli.guard import checked_output, exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
-from safepoint.cli.registry import add_commands, add_global_options
+from safepoint.cli.registry import add_commands, add_global_options, parent_arg, step_arg
 from safepoint.core.errors import SafepointError, UsageError
 from safepoint.destinations import BLOCK_SCHEME, register_resolver
 
@@ -46,19 +46,10 @@ def _resolve_block(url: str) -> tuple[str, dict]:
     return block_destination(url)
 
 
-def _parent(text: str | None) -> tuple[str, int] | None:
-    if not text:
-        return None
-    run, sep, step = text.rpartition(":")
-    if not sep or not step.isdigit():
-        raise UsageError(f"--parent must be RUN:STEP, got {text!r}")
-    return run, int(step)
-
-
 def cmd_commit(args) -> int:
     from safepoint.local.commit import commit
 
-    m = commit(args.dir, args.run, args.step, parent=_parent(args.parent), world_size=args.world_size,
+    m = commit(args.dir, args.run, args.step, parent=args.parent, world_size=args.world_size,
                ranks=args.ranks, node=args.node, reseal=args.reseal)
     out.print(f"committed {m.run}/{m.step}: {len(m.files)} files, {m.total_bytes} bytes")
     return EXIT_OK
@@ -74,7 +65,7 @@ def cmd_ingest(args) -> int:
     try:
         snap = LocalSnapshot.open(folder)
     except SafepointError as e:
-        err.print(f"[red]corrupt[/red] {args.dir}: {e}")
+        err.print(f"[red]corrupt[/red] {inert(args.dir)}: {inert(e)}")
         return EXIT_BAD
     urls = check_destinations_here(args.to)  # an unusable destination is one error line, before any state changes
     _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
@@ -92,9 +83,9 @@ def cmd_ingest(args) -> int:
     else:
         out.print(f"{result['run']}/{result['step']}: [bold]{result['state']}[/bold] in {dt:.2f}s")
         for r in result["replicas"]:
-            out.print(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
+            out.print(inert(f"  {r['url']}: {r['state']}" + (f" ({r['error']})" if r.get("error") else "")))
         if result["state"] != "verified" and result.get("message"):
-            out.print(f"  {result['message']}")
+            out.print(f"  {inert(result['message'])}")
     return _ingest_exit(result)
 
 
@@ -126,24 +117,24 @@ def cmd_ls(args) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     if args.run and not rows:
-        err.print(f"no checkpoints recorded for run {args.run!r}{run_hint(_catalog(args), args.run)}")
+        err.print(inert(f"no checkpoints recorded for run {args.run!r}{run_hint(_catalog(args), args.run)}"))
     headers = ("run", "step", "state", "bytes", "replicas", "local", "parent", "pin/tags")
 
-    def cells(r: dict, sep: str) -> tuple[str, ...]:
-        reps = sep.join(f"{x['url']} ({x['state']})" for x in r["replicas"]) or "-"
+    def cells(r: dict, sep: str, name: Callable[[str], str] = str) -> tuple[str, ...]:
+        """A checkpoint's cells; `name` makes each value (a replica each) safe for the table it goes to."""
+        reps = sep.join(name(f"{x['url']} ({x['state']})") for x in r["replicas"]) or "-"
         marks = " ".join((["pinned"] if r["pinned"] else []) + r["tags"]) or "-"
-        return (r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, r["local_path"] or "-",
-                r["parent"] or "-", marks)
+        return (r["run"], str(r["step"]), r["state"], str(r["bytes"]), reps, name(r["local_path"] or "-"),
+                r["parent"] or "-", name(marks))
 
     if not out.is_terminal:  # a pipe or a file: whole values, one line per checkpoint, no rich import
         out.file.write(plain_table(headers, (cells(r, ", ") for r in rows)) + "\n")
         return EXIT_OK
-    from rich.markup import escape
     from rich.table import Table
 
     table = Table(*headers)
     for r in rows:
-        table.add_row(*(escape(c) for c in cells(r, "\n")))
+        table.add_row(*cells(r, "\n", inert))
     out.print(table)
     return EXIT_OK
 
@@ -165,14 +156,14 @@ def cmd_resume_point(args) -> int:
         if decision.scope:
             err.print("considered only checkpoints " + ", ".join(decision.scope))
         for c, why in decision.passed_over:
-            err.print(f"skipped {c.run}/{c.step}: {why}")
+            err.print(f"skipped {c.run}/{c.step}: {inert(why)}")
     c = decision.chosen
     if c is None:
         if args.json:
             print(json.dumps({"run": args.run, "step": None, "url": None, "urls": [], "passed_over": passed}))
         known = bool(passed) or cat.get_run_id(args.run) is not None
-        err.print(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
-                  if known else f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}")
+        err.print(inert(f"no verified checkpoint with {args.min_replicas} verified replica(s) for run {args.run!r}"
+                        if known else f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}"))
         return EXIT_BAD
     urls = decision.urls
     doc = {"run": c.run, "step": c.step, "url": urls[0] if urls else None, "urls": urls,
@@ -184,9 +175,9 @@ def cmd_resume_point(args) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        out.print(f"{c.run} step {c.step}: {doc['url'] or c.local_path}")
+        out.print(f"{c.run} step {c.step}: {inert(doc['url'] or c.local_path)}")
         for u in urls[1:]:
-            out.print(f"  also {u}")
+            out.print(f"  also {inert(u)}")
     return EXIT_OK
 
 
@@ -225,7 +216,8 @@ def cmd_verify(args) -> int:
                           "bytes_checked": report.bytes_checked, "error": report.error,
                           "files": {path: str(status) for path, status in report.files.items()}}, indent=1))
     else:
-        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
+        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}",
+                                     markup=False)
     return EXIT_OK if good else EXIT_BAD
 
 
@@ -254,10 +246,10 @@ def cmd_validate(args) -> int:
         print(json.dumps({"path": path, **report.to_dict()}, indent=1, default=str))
         return EXIT_OK if report.ok else EXIT_BAD
     for f in report.findings:
-        err.print(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
+        err.print(inert(f"  {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}"))
     for f in report.warnings:
-        err.print(f"  warning: {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}")
-    (out if report.ok else err).print(f"{path}: {report.outcome}: {report.summary()}")
+        err.print(inert(f"  warning: {f.file}{': ' + f.tensor if f.tensor else ''}: {f.problem}: {f.message}"))
+    (out if report.ok else err).print(inert(f"{path}: {report.outcome}: {report.summary()}"))
     return EXIT_OK if report.ok else EXIT_BAD
 
 
@@ -319,8 +311,8 @@ def register(sub) -> None:
     s = sub.add_parser("commit")
     s.add_argument("dir", metavar="DIR", help="the folder the training job wrote")
     s.add_argument("--run", required=True, help="run name, e.g. llama-7b")
-    s.add_argument("--step", type=int, required=True, help="training step of this checkpoint")
-    s.add_argument("--parent", help="RUN:STEP this checkpoint resumed or forked from")
+    s.add_argument("--step", type=step_arg, required=True, help="training step of this checkpoint")
+    s.add_argument("--parent", type=parent_arg, help="RUN:STEP this checkpoint resumed or forked from")
     s.add_argument("--world-size", type=int, default=1, help="ranks of a multi-node checkpoint (default 1)")
     s.add_argument("--ranks", type=int, nargs="*", help="ranks this folder holds (default: all)")
     s.add_argument("--node", help="host name for multi-node checkpoints")
@@ -351,7 +343,7 @@ def register(sub) -> None:
     s = sub.add_parser("resume-point")
     s.add_argument("--run", required=True, help="the run to resume")
     s.add_argument("--min-replicas", type=int, default=1, help="verified durable replicas required (default 1)")
-    s.add_argument("--max-step", type=int, help="only checkpoints at or below this step")
+    s.add_argument("--max-step", type=step_arg, help="only checkpoints at or below this step")
     s.add_argument("--before", metavar="TIME", help="only checkpoints created before TIME (ISO 8601, or 2h/3d ago)")
     s.add_argument("--tag", help="only checkpoints with this tag")
     s.add_argument("--explain", action="store_true", help="say why each newer checkpoint was passed over")
@@ -391,9 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(argv) if argv is not None else sys.argv[1:]
     verbose = "-v" in words or "--verbose" in words
     quiet_prefect(verbose)
+    if argv is None:  # the process's own stdout: lost output is an error (cli/guard.py)
+        checked_output()
     code = guarded(lambda: _dispatch(argv), verbose=verbose, stderr=sys.stderr)
     if argv is None:  # the process is the command (console script, `python -m safepoint.cli`)
-        exit_now(code)
+        code = exit_now(code)
     return code
 
 

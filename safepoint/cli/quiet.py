@@ -14,6 +14,8 @@ import logging
 import os
 import warnings
 
+from safepoint.cli.console import VisibleFormatter
+
 QUIET_ENV = {
     "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "CRITICAL",  # prefect's console handler (root logger)
     "PREFECT_LOGGING_HANDLERS_DEBUG_LEVEL": "CRITICAL",  # prefect._internal
@@ -47,5 +49,6 @@ def console_logging(verbose: bool) -> None:
     for handler in logging.getLogger().handlers:
         if type(handler) is logging.StreamHandler:  # basicConfig's, not pytest's capture
             handler.setLevel(level)
+            handler.setFormatter(VisibleFormatter("%(levelname)s %(name)s: %(message)s"))  # names are data
             if not verbose:
                 handler.addFilter(_not_prefect)

@@ -149,6 +149,34 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def step_arg(text: str) -> int:
+    """The argparse type of every step argument: an integer in [0, 2**63 - 1], the catalog's BIGINT.
+
+    It raises UsageError, not argparse's ArgumentTypeError, so a bad step is one `safepoint: error:`
+    line (exit 2) like every other usage error, never an OverflowError from the database later.
+    """
+    from safepoint.core.errors import FormatError, UsageError
+    from safepoint.core.format import check_step
+    from safepoint.core.text import visible
+
+    digits = text.strip()
+    try:
+        return check_step(int(digits) if digits.isascii() and digits.isdigit() else None)
+    except FormatError:
+        raise UsageError(f"invalid step {visible(text)!r}: must be an integer in [0, 2**63 - 1]") from None
+
+
+def parent_arg(text: str) -> tuple[str, int]:
+    """The argparse type of `--parent RUN:STEP`: the run and a step as `step_arg` takes it."""
+    from safepoint.core.errors import UsageError
+    from safepoint.core.text import visible
+
+    run, sep, step = text.rpartition(":")
+    if not sep or not run:
+        raise UsageError(f"--parent must be RUN:STEP, got {visible(text)!r}")
+    return run, step_arg(step)
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """argparse's formatter, but the exit-code block keeps its lines (the description is still wrapped)."""
 

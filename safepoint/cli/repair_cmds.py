@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _catalog, err, out
+from safepoint.cli.registry import step_arg
 
 # Findings that need a person: nothing automatic can fix them.
 UNRESOLVED = frozenset({"conflict", "unreadable", "no_good_copy", "checkpoint_corrupt", "replica_corrupt",
@@ -32,9 +33,9 @@ def _print_report(report: Any, as_json: bool) -> None:
         verb = s.action if s.done else (f"would {s.action}" if report.dry_run and s.action not in UNRESOLVED
                                         else s.action)
         where = f"{s.run}/{s.step} " if s.run is not None else ""
-        out.print(f"{verb}: {where}{s.where}" + (f" ({s.detail})" if s.detail else ""))
+        out.print(f"{verb}: {where}{s.where}" + (f" ({s.detail})" if s.detail else ""), markup=False)
     for e in report.errors:
-        err.print(f"error: {e}")
+        err.print(f"error: {e}", markup=False)
     if not report.steps and not report.errors:
         out.print("consistent: nothing to do")
 
@@ -81,12 +82,12 @@ def cmd_scrub(args) -> int:
                   f"{summary['problems']} with problems")
         for r in summary["rows"]:
             if r["outcome"] != "ok":
-                out.print(f"  {r['url']}: {r['outcome']}")
+                out.print(f"  {r['url']}: {r['outcome']}", markup=False)
         for s in (summary.get("repair") or {}).get("steps", []):
-            out.print(f"  {s['action']}: {s['run']}/{s['step']} {s['where']}" + (f" ({s['detail']})"
-                                                                                   if s["detail"] else ""))
+            detail = f" ({s['detail']})" if s["detail"] else ""
+            out.print(f"  {s['action']}: {s['run']}/{s['step']} {s['where']}{detail}", markup=False)
     for url in summary["unrepaired"]:
-        err.print(f"still bad: {url}")
+        err.print(f"still bad: {url}", markup=False)
     return EXIT_BAD if summary["unrepaired"] else EXIT_OK
 
 
@@ -98,7 +99,7 @@ def register(subparsers) -> None:
                    help="how long a partial replica or temporary file must be untouched before it is removed, "
                         "and an ingest stuck before it is finished or abandoned (default 3600)")
     s.add_argument("--run", help="only this run")
-    s.add_argument("--step", type=int, help="only this step (with --run)")
+    s.add_argument("--step", type=step_arg, help="only this step (with --run)")
     s.add_argument("--dry-run", action="store_true", help="report what would be done; change nothing")
     s.add_argument("--no-repair", action="store_true", help="do not re-replicate bad replicas")
     s.add_argument("--no-finish", action="store_true", help="leave stuck ingests alone")

@@ -6,6 +6,8 @@ import argparse
 import json
 
 from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _fast_catalog, err, out, run_hint
+from safepoint.cli.console import inert
+from safepoint.cli.registry import step_arg
 
 
 def _size(n: int) -> str:
@@ -26,7 +28,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     else:
         row = cat.get(args.run, args.step)
         total = row.total_bytes if row is not None else None
-    say = (lambda msg: None) if args.json else (lambda msg: err.print(msg))
+    say = (lambda msg: None) if args.json else (lambda msg: err.print(msg, markup=False))
     try:
         with progress.bar(f"restore {args.run}", total, err, enabled=err.is_terminal and not args.json) as advance:
             result = restore(args.run, args.into, args.step, sources=args.sources or (),
@@ -36,20 +38,20 @@ def cmd_restore(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"run": args.run, "step": args.step, "restored": False, "error": str(e)}))
         hint = run_hint(cat, args.run) if isinstance(e, NothingToRestore) else ""
-        err.print(f"safepoint: {'error: ' if e.exit_code == EXIT_ERROR else ''}{e}{hint}")
+        err.print(f"safepoint: {'error: ' if e.exit_code == EXIT_ERROR else ''}{e}{hint}", markup=False)
         return EXIT_BAD if isinstance(e, NothingToRestore) else EXIT_ERROR
     if args.json:
         print(json.dumps({"restored": True, **result.to_dict()}))
         return EXIT_OK
     for f in result.fell_back_from:
-        out.print(f"step {f['step']}: {f['reason']}, fell back")
+        out.print(f"step {f['step']}: {f['reason']}, fell back", markup=False)
     speed = result.bytes_fetched / 2**20 / result.seconds if result.seconds else 0.0
-    out.print(f"restored {result.run} step {result.step} into {result.path}: verified, "
+    out.print(f"restored {result.run} step {result.step} into {inert(result.path)}: verified, "
               f"{_size(result.bytes_fetched)} fetched ({speed:,.0f} MiB/s), {_size(result.bytes_reused)} reused, "
               f"in {result.seconds:.2f}s")
     for s in result.sources:
-        out.print(f"  from {s}")
-    out.print(f"  resume from {result.path}; commit later checkpoints with --parent {result.run}:{result.step}")
+        out.print(f"  from {inert(s)}")
+    out.print(f"  resume from {inert(result.path)}; commit later checkpoints with --parent {result.run}:{result.step}")
     return EXIT_OK
 
 
@@ -57,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("restore")
     s.add_argument("--run", required=True, help="the run to restore")
     s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
-    s.add_argument("--step", type=int, help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
+    s.add_argument("--step", type=step_arg,
+                   help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
     s.add_argument("--from", dest="sources", action="append", metavar="URL",
                    help="read only from this replica or destination (repeatable, in order of preference)")
     s.add_argument("--min-replicas", type=int, default=1, help="verified replicas the resume point needs")

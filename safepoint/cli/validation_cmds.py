@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
 
+from safepoint.cli.console import inert
+from safepoint.cli.registry import step_arg
 from safepoint.core.exits import EXIT_BAD, EXIT_OK
 from safepoint.validation.report import consistency_line, finding_rows, tensor_rows
 
@@ -21,7 +22,7 @@ from safepoint.validation.report import consistency_line, finding_rows, tensor_r
 def register(subparsers: Any) -> None:
     s = subparsers.add_parser("show")
     s.add_argument("run", metavar="RUN", help="run name")
-    s.add_argument("step", metavar="STEP", type=int, help="training step")
+    s.add_argument("step", metavar="STEP", type=step_arg, help="training step")
     s.add_argument("--tensors", type=int, default=0, metavar="N",
                    help="also list N tensors (flagged first, then the largest norms)")
     s.add_argument("--json", action="store_true", help="the stored report (and stats with --tensors) as JSON")
@@ -34,14 +35,15 @@ def cmd_show(args: Any) -> int:
     cat = _catalog(args)
     row = cat.get(args.run, args.step)
     if row is None:
-        err.print(f"no checkpoint {args.run}/{args.step} in the catalog{run_hint(cat, args.run)}")
+        err.print(f"no checkpoint {inert(args.run)}/{args.step} in the catalog{inert(run_hint(cat, args.run))}")
         return EXIT_BAD
     v = cat.latest_validation(row.id)
     if v is None:
         if args.json:
             print(json.dumps({"run": row.run, "step": row.step, "state": str(row.state), "validation": None}))
         else:
-            err.print(f"{row.run}/{row.step}: {row.state}; never validated" + (f" ({row.error})" if row.error else ""))
+            err.print(f"{row.run}/{row.step}: {row.state}; never validated" + (f" ({inert(row.error)})" if row.error
+                                                                                else ""))
         return EXIT_BAD
     doc = dict(v.report or {})
     stats = cat.tensor_stats(v.id) if args.tensors else []
@@ -56,24 +58,24 @@ def cmd_show(args: Any) -> int:
     color = "green" if v.ok else "red"
     out.print(f"[bold]{row.run}/{row.step}[/bold]: [{color}]{row.state}[/{color}]"
               + (f"  (validated {v.finished_at:%Y-%m-%d %H:%M:%S} UTC)" if v.finished_at else ""))
-    out.print(v.summary)
+    out.print(inert(v.summary))
     checks = doc.get("checks") or {}
     h, a = checks.get("harness"), checks.get("audit")
     if h:
         step = h.get("step") or {}
-        out.print(f"strict load: {h.get('model')} (model under {h.get('model_key') or 'top level'!r}, optimizer "
-                  f"{h.get('optimizer') or '-'} under {h.get('optimizer_key') or '-'!r}"
-                  + (f", step {step.get('checkpoint')} vs catalog {step.get('catalog')}" if step else "") + ")")
+        out.print(inert(f"strict load: {h.get('model')} (model under {h.get('model_key') or 'top level'!r}, optimizer "
+                        f"{h.get('optimizer') or '-'} under {h.get('optimizer_key') or '-'!r}"
+                        + (f", step {step.get('checkpoint')} vs catalog {step.get('catalog')}" if step else "") + ")"))
     else:
-        out.print(escape("strict load: no model factory configured (--model, or model = ... under [runs.RUN])"))
+        out.print(inert("strict load: no model factory configured (--model, or model = ... under [runs.RUN])"))
     if a:
-        out.print(f"norm audit: against {a.get('against')}, {a.get('compared')} tensors compared, "
-                  f"{a.get('flagged')} beyond x{a.get('norm_jump_factor')}")
+        out.print(inert(f"norm audit: against {a.get('against')}, {a.get('compared')} tensors compared, "
+                        f"{a.get('flagged')} beyond x{a.get('norm_jump_factor')}"))
     else:
         out.print("norm audit: no earlier verified checkpoint of this run to compare with")
     consistency = consistency_line(doc)
     if consistency:
-        out.print(escape(f"consistency: {consistency}"))
+        out.print(inert(f"consistency: {consistency}"))
 
     rows = finding_rows(doc)
     for severity, title, style in (("fail", "Failures", "red"), ("warn", "Warnings", "yellow")):
@@ -83,19 +85,19 @@ def cmd_show(args: Any) -> int:
         t = Table("tensor", "problem", "file", "why", title=f"{title} ({len(group)})", title_style=f"bold {style}",
                   expand=False)
         for r in group:
-            t.add_row(r["tensor"] or "-", str(r["problem"]), r["file"], r["why"], style=style)
+            t.add_row(inert(r["tensor"] or "-"), inert(r["problem"]), inert(r["file"]), inert(r["why"]), style=style)
         out.print(t)
     files = doc.get("files") or {}
     if files:
         notes = doc.get("not_loaded") or {}
         t = Table("file", "status", title="Files")
         for f, s in sorted(files.items()):
-            shown = escape(notes[f]) if s == "not loaded" and f in notes else s
-            t.add_row(escape(f), shown, style=None if s in ("ok", "skipped") else "yellow" if s == "not loaded"
+            status = inert(notes[f]) if s == "not loaded" and f in notes else inert(s)
+            t.add_row(inert(f), status, style=None if s in ("ok", "skipped") else "yellow" if s == "not loaded"
                       else "red")
         for f, why in sorted(notes.items()):
             if f not in files:  # one entry of a file (a DCP bytes entry)
-                t.add_row(escape(f), escape(why), style="yellow")
+                t.add_row(inert(f), inert(why), style="yellow")
         out.print(t)
     if args.tensors:
         ranked = tensor_rows(doc, stats)
@@ -103,9 +105,9 @@ def cmd_show(args: Any) -> int:
         t = Table("tensor", "file", "role", "verdict", "dtype", "shape", "norm", "max |x|", "NaN", "Inf",
                   title=f"Tensors ({min(args.tensors, len(ranked))} of {len(stats)})")
         for r in ranked[: args.tensors]:
-            t.add_row(escape(r["tensor"]), escape(r["file"]), r["role"], r["verdict"], str(r["dtype"]), r["shape"],
-                      r["norm"], r["max_abs"], str(r["nan"]),
-                      str(r["inf"]), style=None if r["verdict"] == "ok" else "red")
+            t.add_row(inert(r["tensor"]), inert(r["file"]), inert(r["role"]), r["verdict"], inert(r["dtype"]),
+                      inert(r["shape"]), r["norm"], r["max_abs"], str(r["nan"]), str(r["inf"]),
+                      style=None if r["verdict"] == "ok" else "red")
         out.print(t)
     return EXIT_OK if v.ok else EXIT_BAD
 

@@ -4,7 +4,8 @@ Library code reports bytes through `hook(key)` (None when nobody watches, which 
 flows run by a server); the CLI installs bars around a long call with `bars(...)` / `bar(...)`, one
 per destination where it knows them. The hooks are process-wide because Prefect runs tasks in worker
 threads; rich's Progress is thread-safe. rich is imported only when a bar is shown, so a disabled
-bar (not a terminal, or --json) costs nothing at start-up.
+bar (not a terminal, or --json) costs nothing at start-up. A description names folders and URLs:
+it is shown as data (core.text.visible, no markup), never acted on.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from safepoint.core.text import visible
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -29,7 +32,7 @@ def hook(key: str | None = None) -> Hook | None:
 def _transfer_columns() -> tuple[Any, ...]:
     from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    return (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    return (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
             TimeRemainingColumn())
 
 
@@ -49,7 +52,7 @@ def bars(rows: Sequence[tuple[str | None, str, int | None]], console: Console | 
     with Progress(*_transfer_columns(), console=getattr(console, "rich", console), transient=True) as p:
         mine: dict[str | None, Hook] = {}
         for key, description, total in rows:
-            task = p.add_task(description, total=total)
+            task = p.add_task(visible(description), total=total)
             mine[key] = lambda n, task=task: p.advance(task, n)
         previous = dict(_hooks)
         _hooks.update(mine)
@@ -80,7 +83,7 @@ class Steps:
         if self._started:
             self._progress.advance(self._task)
         self._started = True
-        self._progress.update(self._task, description=description)
+        self._progress.update(self._task, description=visible(description))
 
 
 @contextmanager
@@ -91,7 +94,7 @@ def steps(total: int, console: Console | Any | None = None, *, enabled: bool = T
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=getattr(console, "rich", console), transient=True) as p:
         yield Steps(p, p.add_task("starting", total=total))
 
