@@ -183,7 +183,7 @@ def cmd_resume_point(args) -> int:
 
 def _local_total(target: str) -> int | None:
     """The bytes a local snapshot's manifest lists (for the bar's total); None for a URL or no manifest."""
-    from safepoint.ops.verify_local import local_target
+    from safepoint.ops.verify import local_target
 
     folder = local_target(target)
     if folder is None:
@@ -199,25 +199,22 @@ def _local_total(target: str) -> int | None:
 def cmd_verify(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
-    from safepoint.ops.verify_local import verify_unknown_local
+    from safepoint.ops.verify import verify
 
     shown = err.is_terminal and not args.json
     with progress.bar(f"verify {args.url}", _local_total(args.url) if shown else None, err, enabled=shown):
         config = load_config()
-        found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
-        if found is None:
-            from safepoint.ops.verify import verify_url  # opens the catalog (SQLAlchemy): only when needed
-
-            found = verify_url(_catalog(args), args.url, config)
-        report, where = found
-    good = report.outcome.value == "verified"
+        # The catalog by URL: opened (SQLAlchemy) only when it may know the target.
+        done = verify(args.catalog or config.catalog_url, args.url, config)
+    report, where = done.report, done.where
     if args.json:
         print(json.dumps({"url": where, "state": str(report.outcome), "summary": report.summary(),
                           "bytes_checked": report.bytes_checked, "error": report.error,
                           "files": {path: str(status) for path, status in report.files.items()}}, indent=1))
     else:
-        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}")
-    return EXIT_OK if good else EXIT_BAD
+        (out if done.good else err).print(f"{where}: {'verified' if done.good else str(report.outcome)}: "
+                                          f"{report.summary()}")
+    return EXIT_OK if done.good else EXIT_BAD
 
 
 def cmd_validate(args) -> int:
