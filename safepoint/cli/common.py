@@ -6,7 +6,6 @@ never each other's internals, so the CLI has no import loop.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,44 +98,26 @@ def _ingest_exit(result: dict) -> int:
 
 
 def watch_here(args) -> int:
-    """`safepoint watch` without --emit: ingest each committed snapshot under ROOT in this process.
+    """`safepoint watch` without --emit: the watch loop (safepoint.events.watch) ingesting in this process.
 
     A folder whose ingest fails (a hostile manifest, a step the catalog cannot hold) is set aside
     with one `safepoint: error:` line and not retried until its marker changes; the others go on.
     """
     from safepoint.cli.guard import one_line
-    from safepoint.core.errors import FormatError
-    from safepoint.events.watch import marker_identity, pending_snapshots
-    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.core.config import load_config
+    from safepoint.events.watch import IngestHere, Watcher
 
     check_destinations_here(args.to)
     cat = _catalog(args)
-    worst = EXIT_OK
-    set_aside: dict[Path, tuple[int, int] | None] = {}
-    while True:
-        for folder in pending_snapshots(Path(args.root), cat):
-            ident = marker_identity(folder)
-            if folder in set_aside and set_aside[folder] == ident:
-                continue
-            try:
-                LocalSnapshot.open(folder)
-            except FormatError as e:  # hostile or rotten control files (a step past int64): a verdict
-                set_aside[folder] = ident
-                err.print(f"set aside {folder}: {e} (until its marker changes)", markup=False, highlight=False)
-                worst = max(worst, EXIT_BAD)
-                continue
-            err.print(f"ingesting {folder}")
-            try:
-                result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
-            except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher
-                set_aside[folder] = ident
-                err.print(f"{one_line(e)} ({folder}: set aside until its marker changes)", markup=False,
-                          highlight=False)
-                worst = max(worst, EXIT_ERROR)
-                continue
-            set_aside.pop(folder, None)
-            out.print(f"{result['run']}/{result['step']}: {result['state']}")
-            worst = max(worst, _ingest_exit(result))
-        if args.once:
-            return worst
-        time.sleep(args.interval)
+
+    def ingest(folder: Path) -> int:
+        result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+        out.print(f"{result['run']}/{result['step']}: {result['state']}")
+        return _ingest_exit(result)
+
+    here = IngestHere(cat, ingest, describe=one_line)
+    timeouts_every = None if getattr(args, "no_timeouts", False) else getattr(args, "timeouts_every", 10.0)
+    Watcher(Path(args.root), cat, here, config=load_config(), interval=args.interval, timeouts_every=timeouts_every,
+            use_inotify=not getattr(args, "poll_only", False),
+            on_event=lambda text: err.print(text, markup=False, highlight=False)).run(once=args.once)
+    return here.worst
