@@ -25,7 +25,7 @@ def watch(root: str, to: list[str], model: str | None = None, catalog_url: str |
     config = load_config()
     catalog = open_catalog(catalog_url or config.catalog_url)
 
-    def ingest(folder: Path) -> int:
+    def ingest(folder: Path, _snap: object) -> int:
         result = ingest_result(snapshot=str(folder), to=to, model=model, catalog_url=catalog_url)
         return EXIT_OK if delivered(result) else EXIT_BAD if result["state"] in VERDICTS else EXIT_ERROR
 

@@ -9,6 +9,7 @@ server for the session: `prefect_api`), and compares what they left, paths made 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -247,7 +248,7 @@ def test_watch_is_the_same_inline_and_as_a_flow(tmp_path, prefect_api):
         (w.root / "local" / "s3").mkdir()
         (w.root / "local" / "s3" / "COMMITTED").write_text("{}")  # hostile: set aside, a verdict
 
-    def here(folder: Path) -> int:
+    def here(folder: Path, _snap: object) -> int:
         return ingest_exit(str(ingest(folder, [inline.dest], inline.catalog).state))
 
     sink = IngestHere(inline.catalog, here)
@@ -256,3 +257,40 @@ def test_watch_is_the_same_inline_and_as_a_flow(tmp_path, prefect_api):
     assert sink.worst == code == EXIT_BAD
     assert states(inline.catalog) == states(flow.catalog) == [(1, "verified"), (2, "verified")]
     inline.same_as(flow)
+
+
+def test_one_cli_ingest_reads_loads_and_checks_once(tmp_path, prefect_api, monkeypatch):
+    """`safepoint ingest` reads the snapshot's control files, loads the config and resolves and checks the
+    destinations once: the flow it runs in this process takes them as they are (ops.ingest.Prepared)."""
+    import safepoint.cli.main as cli
+    import safepoint.core.config as config_mod
+    import safepoint.destinations.check as check_mod
+    import safepoint.flows.credentials as cred_mod
+    import safepoint.flows.ingest as flow_mod
+    import safepoint.local.snapshot as snap_mod
+    import safepoint.ops.ingest as ingest_mod
+
+    folder = _folder(tmp_path / "local", 1)
+    calls: list[str] = []
+
+    def counted(module: Any, name: str, key: Callable[..., str | None]) -> None:
+        real = getattr(module, name)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            if (k := key(*args)) is not None:
+                calls.append(k)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+
+    for module in (config_mod, flow_mod):
+        counted(module, "load_config", lambda *a: "config")
+    counted(snap_mod, "read_small", lambda path, *a: "control" if Path(path).parent == folder.resolve() else None)
+    counted(cred_mod, "resolve_destinations", lambda *a: "resolve")
+    monkeypatch.setattr(flow_mod, "resolve_destinations", cred_mod.resolve_destinations)
+    counted(check_mod, "check_destinations", lambda *a: "check")
+    monkeypatch.setattr(ingest_mod, "check_destinations", check_mod.check_destinations)
+    monkeypatch.setattr(cli, "_prestart_sandbox", lambda: None)  # a head start for the sandbox, not the ingest's
+    code = cli.main(["--catalog", f"sqlite:///{tmp_path / 'c.db'}", "ingest", str(folder), "--to",
+                     (tmp_path / "durable").as_uri()])
+    assert code == 0
+    assert sorted(calls) == ["check", "config", "control", "control", "resolve"]  # MANIFEST.json, COMMITTED once

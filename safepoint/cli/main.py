@@ -67,16 +67,21 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {args.dir}: {e}")
         return EXIT_BAD
-    urls = check_destinations_here(args.to)  # an unusable destination is one error line, before any state changes
-    _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
+    from safepoint.core.config import load_config
     from safepoint.ops import progress
+    from safepoint.ops.ingest import Prepared
+
+    # An unusable destination is one error line, before any state changes. What is read, loaded and
+    # checked here (the snapshot, the config, the destinations) goes down to the flow as it is.
+    urls, config = check_destinations_here(args.to, load_config())
+    _catalog(args, config)  # migrate before Prefect starts, so schema errors surface plainly
 
     t0 = time.perf_counter()
     # On a terminal, one transfer bar per destination (bytes uploaded and read back verified).
     m = snap.manifest
     with progress.bars([(url, f"{m.run}/{m.step} -> {url}", m.total_bytes) for url in dict.fromkeys(urls)],
                        err, enabled=err.is_terminal and not args.json):
-        result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+        result = run_ingest_flow(folder, args.to, args.model, args.catalog, Prepared(snap, urls, config))
     dt = time.perf_counter() - t0
     if args.json:
         out.print_json(data=result)

@@ -190,7 +190,8 @@ class Watcher:
 
 
 class IngestHere:
-    """`safepoint watch`: ingest each pending folder in this process with `ingest(folder)` (an exit code).
+    """`safepoint watch`: ingest each pending folder in this process with `ingest(folder, snap)` (an exit
+    code; `snap` is the folder opened, so the ingest need not read its control files again).
 
     A folder whose ingest raises (a step the catalog cannot hold, an unreachable destination) is set
     aside until its marker changes and the others go on; one that ended without an end state (a
@@ -198,7 +199,8 @@ class IngestHere:
     worst exit code so far: 1 for a verdict (hostile control files among them), 2 for a failure.
     """
 
-    def __init__(self, catalog: Catalog, ingest: Callable[[Path], int], describe: Callable[[BaseException], str] = str):
+    def __init__(self, catalog: Catalog, ingest: Callable[[Path, LocalSnapshot], int],
+                 describe: Callable[[BaseException], str] = str):
         self.catalog, self.ingest, self.describe = catalog, ingest, describe
         self.worst = EXIT_OK
 
@@ -208,7 +210,7 @@ class IngestHere:
     def offer(self, folder: Path, snap: LocalSnapshot, say: Say) -> Offer:
         say(f"ingesting {folder}")
         try:
-            code = self.ingest(folder)
+            code = self.ingest(folder, snap)
         except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher
             say(f"{self.describe(e)} ({folder}: set aside until its marker changes)")
             self.worst = max(self.worst, EXIT_ERROR)
