@@ -294,3 +294,17 @@ def test_one_cli_ingest_reads_loads_and_checks_once(tmp_path, prefect_api, monke
                      (tmp_path / "durable").as_uri()])
     assert code == 0
     assert sorted(calls) == ["check", "config", "control", "control", "resolve"]  # MANIFEST.json, COMMITTED once
+
+
+def test_evict_is_the_same_inline_and_as_a_flow(tmp_path, prefect_api):
+    from safepoint.flows.retention import retention as retention_flow
+
+    inline, flow = worlds(tmp_path, (1, 2, 3))
+    size = sum(f.stat().st_size for f in (inline.root / "local" / "s1").iterdir())
+    knobs = {"high_water": 0.5, "low_water": 0.4, "capacity_bytes": 3 * size, "keep_newest_local": 1}
+    a = retention_pass(inline.catalog, Config(), runs=[], evict_roots=[str(inline.root / "local")], **knobs)
+    b = retention_flow(runs=[], evict_roots=[str(flow.root / "local")], catalog_url=flow.catalog_url, **knobs)
+    assert _shape(a, str(inline.root)) == _shape(b, str(flow.root))
+    kept = [(w.root / "local" / f"s{s}").exists() for w in (inline, flow) for s in (1, 2, 3)]
+    assert kept == [False, False, True] * 2  # the oldest local copies evicted, the newest kept, both ways
+    inline.same_as(flow)
