@@ -111,8 +111,10 @@ def test_ingest_scrub_and_retention_leave_the_same_events_inline_and_as_flows(tm
     inline_dest, flow_dest = (tmp_path / "inline").as_uri(), (tmp_path / "flow").as_uri()
 
     for folder in folders:
-        assert ingest(folder, [inline_dest], inline_cat).state is CS.VERIFIED
-        assert ingest_flow(snapshot=str(folder), to=[flow_dest], catalog_url=flow_url)["state"] == "verified"
+        inline_out = ingest(folder, [inline_dest], inline_cat)
+        flow_out = ingest_flow(snapshot=str(folder), to=[flow_dest], catalog_url=flow_url)
+        assert (str(inline_out.state), ingest_exit(str(inline_out.state))) == \
+            (flow_out["state"], ingest_exit(flow_out["state"])) == ("verified", EXIT_OK)
     assert states(inline_cat) == states(flow_cat) == [(1, "verified"), (2, "verified"), (3, "verified")]
     kinds = [k for k, _ in journal(inline_cat)]
     assert kinds.count("ingest.done") == 3, kinds
