@@ -124,11 +124,13 @@ def watch_here(args) -> int:
     from safepoint.events.watch import IngestHere, Watcher
     from safepoint.ops.ingest import Prepared
 
-    urls, config = check_destinations_here(args.to, load_config())
+    _urls, config = check_destinations_here(args.to, load_config())
     cat = _catalog(args, config)
 
     def ingest(folder: Path, snap: LocalSnapshot) -> int:
-        result = run_ingest_flow(folder, args.to, args.model, args.catalog, Prepared(snap, urls, config))
+        # The folder as the watcher opened it; the config as it is now (a long watch sees its edits).
+        result = run_ingest_flow(folder, args.to, args.model, args.catalog,
+                                 Prepared(snap, *check_destinations_here(args.to, load_config())))
         out.print(f"{result['run']}/{result['step']}: {result['state']}")
         return _ingest_exit(result)
 
