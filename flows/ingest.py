@@ -28,7 +28,7 @@ from safepoint.flows.credentials import resolve_destinations
 from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.local.credentials import reveal_credentials
 from safepoint.local.snapshot import read_small
-from safepoint.ops.ingest import IngestOutcome, run_ingest
+from safepoint.ops.ingest import PREPARED, IngestOutcome, run_ingest
 from safepoint.rules.outcome import decide
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
@@ -84,7 +84,11 @@ def run_name(snapshot: str) -> str:
 def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
-    return run_name(str(flow_run.parameters.get("snapshot", "")))
+    snapshot = str(flow_run.parameters.get("snapshot", ""))
+    prepared = PREPARED.get()
+    if prepared is not None and prepared.serves(snapshot):  # the marker is read already
+        return f"ingest-{prepared.snap.manifest.run}-{prepared.snap.manifest.step}"
+    return run_name(snapshot)
 
 
 def run_state(result: dict[str, Any]) -> dict[str, Any] | State:
@@ -105,13 +109,18 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
     Called directly, a Failed run raises; `ingest_result` returns its result either way.
     """
     route_to_run_logs()
-    # Parameters name credentials by reference only (safepoint.local.credentials); resolved here, in memory.
-    config = load_config()
-    to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
+    prepared = PREPARED.get()  # read, resolved and checked by the CLI in this process: not again
+    if prepared is not None and prepared.serves(snapshot):
+        config = prepared.config
+    else:
+        prepared = None
+        # Parameters name credentials by reference only (safepoint.local.credentials); resolved here, in memory.
+        config = load_config()
+        to, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
     catalog = open_catalog(reveal_credentials(catalog_url) or config.catalog_url)
     try:
         done = run_ingest(snapshot, to, catalog, config, model=model, event_id=event_id,
-                          skip_if_verified=skip_if_verified, runner=PrefectSteps())
+                          skip_if_verified=skip_if_verified, runner=PrefectSteps(), prepared=prepared)
     except FormatError as e:  # quarantined as corrupt: the verdict event, then the run fails as before
         row = catalog.find_by_local_path(snapshot)
         if row is not None:

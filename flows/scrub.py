@@ -3,45 +3,34 @@
 Deployed on an interval (prefect.yaml `scrub`, `safepoint serve`). The pass is the library's (the
 CLI's `safepoint scrub` runs the same code inline); here each batch of files is a Prefect task on
 the configured task runner (threads, or Dask via prefect-dask, see safepoint.flows.fanout).
-`verify_fanout` verifies one large replica or local snapshot in full the same way.
+`verify_fanout` runs safepoint.ops.verify.verify (what `safepoint verify` runs inline) the same way:
+one large replica or local snapshot in full.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from safepoint.catalog.store import open_catalog
-from safepoint.core.config import Config, fanout_settings, load_config
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry
-from safepoint.core.naming import parse_snapshot_url
-from safepoint.core.states import ReplicaState as RS
-from safepoint.core.urls import local_path
-from safepoint.core.verify import VerifyReport
-from safepoint.destinations import open_destination
+from safepoint.core.config import Config, load_config
 from safepoint.flows import fanout
 from safepoint.flows.run_logs import route_to_run_logs
-from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops import scrub, steps
-from safepoint.ops.verify import bound_problem
-from safepoint.rules.batching import batch_limits, batches
-from safepoint.rules.settle import replica_state
+from safepoint.ops import scrub
+from safepoint.ops.verify import verify, verify_batch, verify_local_batch
 from safepoint.tasks.runner import PrefectSteps
+
+#: the steps that hash batches of files, fanned out on the `[fanout]` task runner
+FANNED_OUT: dict[str, Callable[..., Any]] = {"verify-batch": verify_batch, "verify-local-batch": verify_local_batch}
 
 
 @flow(name="safepoint-verify-batches")
-def verify_batches(jobs: list[tuple[str, str, int, list[FileEntry]]], config: Config) -> list[Any]:
+def verify_batches(name: str, calls: list[tuple[Any, ...]]) -> list[Any]:
     """One task per batch on this flow's task runner (set at call time by FanoutSteps)."""
-    return PrefectSteps().map("verify-batch", scrub.verify_batch, [(*job, config) for job in jobs])
-
-
-@flow(name="safepoint-verify-local-batches")
-def verify_local_batches(root: str, groups: list[list[FileEntry]]) -> list[Any]:
-    return PrefectSteps().map("verify-local-batch", scrub.verify_local_batch, [(root, g) for g in groups])
+    return PrefectSteps().map(name, FANNED_OUT[name], calls)
 
 
 class FanoutSteps(PrefectSteps):
@@ -52,10 +41,9 @@ class FanoutSteps(PrefectSteps):
         self.config = config
 
     def map(self, name: str, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], /) -> list[Any]:
-        if name != "verify-batch" or not calls:
+        if name not in FANNED_OUT or not calls:
             return super().map(name, fn, calls)
-        jobs = [(dest, run, step, files) for dest, run, step, files, _config in calls]
-        return verify_batches.with_options(task_runner=fanout.task_runner(self.config))(jobs, self.config)
+        return verify_batches.with_options(task_runner=fanout.task_runner(self.config))(name, list(calls))
 
 
 @flow(name="safepoint-scrub")
@@ -76,60 +64,10 @@ def scrub_replicas(subset: str = "16", run: str | None = None, catalog_url: str 
     return summary
 
 
-def _merged(answers: list[Any]) -> VerifyReport:
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
-    return scrub.merge_reports(answers)
-
-
 @flow(name="safepoint-verify-fanout")
 def verify_fanout(target: str, catalog_url: str | None = None) -> dict[str, Any]:
-    """Verify one (very large) replica URL or local snapshot folder in full, batches fanned out."""
+    """Verify one (very large) replica URL or local snapshot folder in full: safepoint.ops.verify.verify,
+    its batches fanned out."""
     route_to_run_logs()
     config = load_config()
-    catalog = open_catalog(catalog_url or config.catalog_url)
-    size, count = batch_limits(fanout_settings(config))
-    runner = fanout.task_runner(config)
-    folder = local_path(target)
-    if folder is not None and ("://" not in target or _is_local_snapshot(target, folder)):
-        snap = LocalSnapshot.open(folder)
-        groups = batches(list(snap.manifest.files), size, count)
-        report = _merged(verify_local_batches.with_options(task_runner=runner)(str(snap.root), groups))
-        row = catalog.find_by_local_path(str(snap.root))
-        if row is not None:
-            catalog.add_event("verify.local", checkpoint_id=row.id,
-                              detail={"outcome": str(report.outcome), "summary": report.summary(), "fanout": True})
-        return {"target": str(snap.root), "outcome": str(report.outcome), "summary": report.summary(),
-                "batches": len(groups)}
-    base, run, step = parse_snapshot_url(target.rstrip("/"))
-    dest = open_destination(base, config.storage_options(base))
-    try:
-        manifest = scrub.replica_manifest(dest, run, step)
-        snap_url = dest.snapshot_url(run, step)
-        dest_url = dest.url
-        found = catalog.find_replica(snap_url)
-        problem = found and bound_problem(catalog, found[0], *(dest.read_control(run, step, n)
-                                                              for n in (MANIFEST_NAME, MARKER_NAME)))
-    finally:
-        dest.close()
-    jobs = [] if problem else [(base, run, step, b) for b in batches(list(manifest.files), size, count)]
-    report = VerifyReport(error=f"{snap_url}: {problem}") if problem else \
-        _merged(verify_batches.with_options(task_runner=runner)(jobs, config))
-    if found is not None:
-        row, _ = found
-        state = replica_state(report.outcome)
-        catalog.set_replica(row.id, snap_url, dest_url, state, error=None if state is RS.VERIFIED else report.summary(),
-                            proof="read-back" if state is RS.VERIFIED else None)  # a scrub always re-reads
-        steps.settle_copies(catalog, row.id)
-    return {"target": snap_url, "outcome": str(report.outcome), "summary": report.summary(), "batches": len(jobs)}
-
-
-def _is_local_snapshot(url: str, path: Path) -> bool:
-    if not (path / MARKER_NAME).is_file():
-        return False
-    try:
-        parse_snapshot_url(url)
-    except ValueError:
-        return True
-    return False
+    return verify(catalog_url or config.catalog_url, target, config, runner=FanoutSteps(config)).to_dict()

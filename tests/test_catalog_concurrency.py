@@ -57,12 +57,12 @@ def _prune(url: str, run: str, keep: int, delay: float, barrier, out) -> None:
 
 
 def _scrub(url: str, replica_url: str, rounds: int, barrier, out) -> None:
-    from safepoint.ops.verify import verify_url
+    from safepoint.ops.verify import verify
 
     cat = open_catalog(url)
     cat.runs()
     barrier.wait(timeout=120)
-    outcomes = [str(verify_url(cat, replica_url)[0].outcome) for _ in range(rounds)]
+    outcomes = [str(verify(cat, replica_url).report.outcome) for _ in range(rounds)]
     out.put(("scrub", outcomes))
 
 

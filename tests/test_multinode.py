@@ -165,9 +165,9 @@ def test_three_nodes_become_verified_when_all_deliver(tmp_path, catalog, cfg):
     assert merged["ranks"] == list(range(6)) and merged["node"] is None
     assert [p["node"] for p in merged["meta"]["parts"]] == ["n0", "n1", "n2"]
     # The assembled replica verifies as a whole, like any snapshot.
-    from safepoint.ops.verify import verify_url
+    from safepoint.ops.verify import verify
 
-    report, _ = verify_url(catalog, f"{durable}/mn/10", cfg)
+    report = verify(catalog, f"{durable}/mn/10", cfg).report
     assert report.outcome is CS.VERIFIED and len(report.files) == 7
     kinds = [e["detail"].get("to") for e in catalog.events(row.id, kind="state")]
     assert kinds[-3:] == ["replicated", "validating", "verified"]
@@ -477,7 +477,7 @@ def test_verify_binds_a_set_assembled_before_its_whole_digest_was_recorded(tmp_p
     import sqlalchemy as sa
 
     from safepoint.catalog.models import Checkpoint
-    from safepoint.ops.verify import verify_url
+    from safepoint.ops.verify import verify
 
     durable = (tmp_path / "durable").as_uri()
     for n, r in NODES.items():
@@ -485,6 +485,6 @@ def test_verify_binds_a_set_assembled_before_its_whole_digest_was_recorded(tmp_p
     row = catalog.get("bd", 1)
     with catalog._write() as s:
         s.execute(sa.update(Checkpoint).where(Checkpoint.id == row.id).values(manifest_blake3=None))
-    report, _ = verify_url(catalog, f"{durable}/bd/1", cfg)
+    report = verify(catalog, f"{durable}/bd/1", cfg).report
     assert report.outcome is CS.VERIFIED
     assert catalog.get("bd", 1).manifest_blake3 == row.manifest_blake3

@@ -6,7 +6,6 @@ never each other's internals, so the CLI has no import loop.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,10 @@ from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 if TYPE_CHECKING:
     from datetime import datetime
 
+    from safepoint.core.config import Config
+    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.ops.ingest import Prepared
+
 __all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "err", "out", "parse_time", "run_hint", "run_ingest_flow", "watch_here",
            "check_destinations_here"]
 
@@ -24,11 +27,13 @@ out = LazyConsole()  # rich's Console, imported only when a command's output nee
 err = LazyConsole(stderr=True)
 
 
-def _catalog(args):
+def _catalog(args, config: Config | None = None):
+    """The catalog of --catalog, else of `config` (default: loaded)."""
     from safepoint.catalog.store import open_catalog
     from safepoint.core.config import load_config
 
-    return open_catalog(getattr(args, "catalog", None) or load_config().catalog_url)
+    url = getattr(args, "catalog", None)
+    return open_catalog(url or (config or load_config()).catalog_url)
 
 
 def _fast_catalog(args):
@@ -68,25 +73,35 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def check_destinations_here(to: list[str]) -> list[str]:
-    """Check `to` (or [ingest] to) before anything runs; the plain URLs (blocks and userinfo resolved, in memory)."""
+def check_destinations_here(to: list[str], config: Config | None = None) -> tuple[list[str], Config]:
+    """Check `to` (or [ingest] to) before anything runs: the plain URLs (blocks and userinfo resolved, in
+    memory) and `config` (default: loaded) with their credentials, for the ingest to use as they are."""
     from safepoint.core.config import load_config
     from safepoint.destinations.check import check_destinations
     from safepoint.flows.credentials import resolve_destinations
 
-    config = load_config()
+    config = config or load_config()
     urls, config = resolve_destinations(list(to) or list(config.section("ingest").get("to", [])), config)
     check_destinations(urls, config.storage_options)
-    return urls
+    return urls, config
 
 
-def run_ingest_flow(folder: str, to: list[str], model: str | None, catalog_url: str | None) -> dict:
-    """The ingest flow, its parameters free of secrets: credential-bearing URLs go sealed (core.credentials)."""
+def run_ingest_flow(folder: str | Path, to: list[str], model: str | None, catalog_url: str | None,
+                    prepared: Prepared | None = None) -> dict:
+    """The ingest flow, its parameters free of secrets: credential-bearing URLs go sealed (core.credentials).
+
+    `prepared`: the snapshot this command opened and the destinations it resolved and checked; the
+    flow (in this process) uses them instead of reading, loading and checking them again."""
     from safepoint.flows.ingest import ingest_result
     from safepoint.local.credentials import hide_credentials
+    from safepoint.ops.ingest import PREPARED
 
-    return ingest_result(snapshot=str(Path(folder).resolve()), to=[hide_credentials(u) or u for u in to], model=model,
-                  catalog_url=hide_credentials(catalog_url))
+    token = PREPARED.set(prepared)
+    try:
+        return ingest_result(snapshot=str(Path(folder).resolve()), to=[hide_credentials(u) or u for u in to],
+                             model=model, catalog_url=hide_credentials(catalog_url))
+    finally:
+        PREPARED.reset(token)
 
 
 def _ingest_exit(result: dict) -> int:
@@ -98,44 +113,29 @@ def _ingest_exit(result: dict) -> int:
 
 
 def watch_here(args) -> int:
-    """`safepoint watch` without --emit: ingest each committed snapshot under ROOT in this process.
+    """`safepoint watch` without --emit: the watch loop (safepoint.events.watch) ingesting in this process.
 
     A folder whose ingest fails (a hostile manifest, a step the catalog cannot hold) is set aside
     with one `safepoint: error:` line and not retried until its marker changes; the others go on.
     """
     from safepoint.cli.guard import one_line
-    from safepoint.core.errors import FormatError
-    from safepoint.events.watch import marker_identity, pending_snapshots
-    from safepoint.local.snapshot import LocalSnapshot
+    from safepoint.core.config import load_config
+    from safepoint.events.watch import IngestHere, Watcher
+    from safepoint.ops.ingest import Prepared
 
-    check_destinations_here(args.to)
-    cat = _catalog(args)
-    worst = EXIT_OK
-    set_aside: dict[Path, tuple[int, int] | None] = {}
-    while True:
-        for folder in pending_snapshots(Path(args.root), cat):
-            ident = marker_identity(folder)
-            if folder in set_aside and set_aside[folder] == ident:
-                continue
-            try:
-                LocalSnapshot.open(folder)
-            except FormatError as e:  # hostile or rotten control files (a step past int64): a verdict
-                set_aside[folder] = ident
-                err.print(f"set aside {folder}: {e} (until its marker changes)", markup=False, highlight=False)
-                worst = max(worst, EXIT_BAD)
-                continue
-            err.print(f"ingesting {folder}", markup=False)
-            try:
-                result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
-            except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher
-                set_aside[folder] = ident
-                err.print(f"{one_line(e)} ({folder}: set aside until its marker changes)", markup=False,
-                          highlight=False)
-                worst = max(worst, EXIT_ERROR)
-                continue
-            set_aside.pop(folder, None)
-            out.print(f"{result['run']}/{result['step']}: {result['state']}")
-            worst = max(worst, _ingest_exit(result))
-        if args.once:
-            return worst
-        time.sleep(args.interval)
+    _urls, config = check_destinations_here(args.to, load_config())
+    cat = _catalog(args, config)
+
+    def ingest(folder: Path, snap: LocalSnapshot) -> int:
+        # The folder as the watcher opened it; the config as it is now (a long watch sees its edits).
+        result = run_ingest_flow(folder, args.to, args.model, args.catalog,
+                                 Prepared(snap, *check_destinations_here(args.to, load_config())))
+        out.print(f"{result['run']}/{result['step']}: {result['state']}", markup=False)
+        return _ingest_exit(result)
+
+    here = IngestHere(cat, ingest, describe=one_line)
+    timeouts_every = None if getattr(args, "no_timeouts", False) else getattr(args, "timeouts_every", 10.0)
+    Watcher(Path(args.root), cat, here, config=config, interval=args.interval, timeouts_every=timeouts_every,
+            use_inotify=not getattr(args, "poll_only", False),
+            on_event=lambda text: err.print(text, markup=False, highlight=False)).run(once=args.once)
+    return here.worst

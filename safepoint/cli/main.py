@@ -67,16 +67,21 @@ def cmd_ingest(args) -> int:
     except SafepointError as e:
         err.print(f"[red]corrupt[/red] {inert(args.dir)}: {inert(e)}")
         return EXIT_BAD
-    urls = check_destinations_here(args.to)  # an unusable destination is one error line, before any state changes
-    _catalog(args)  # migrate before Prefect starts, so schema errors surface plainly
+    from safepoint.core.config import load_config
     from safepoint.ops import progress
+    from safepoint.ops.ingest import Prepared
+
+    # An unusable destination is one error line, before any state changes. What is read, loaded and
+    # checked here (the snapshot, the config, the destinations) goes down to the flow as it is.
+    urls, config = check_destinations_here(args.to, load_config())
+    _catalog(args, config)  # migrate before Prefect starts, so schema errors surface plainly
 
     t0 = time.perf_counter()
     # On a terminal, one transfer bar per destination (bytes uploaded and read back verified).
     m = snap.manifest
     with progress.bars([(url, f"{m.run}/{m.step} -> {url}", m.total_bytes) for url in dict.fromkeys(urls)],
                        err, enabled=err.is_terminal and not args.json):
-        result = run_ingest_flow(str(folder), args.to, args.model, args.catalog)
+        result = run_ingest_flow(folder, args.to, args.model, args.catalog, Prepared(snap, urls, config))
     dt = time.perf_counter() - t0
     if args.json:
         out.print_json(data=result)
@@ -183,7 +188,7 @@ def cmd_resume_point(args) -> int:
 
 def _local_total(target: str) -> int | None:
     """The bytes a local snapshot's manifest lists (for the bar's total); None for a URL or no manifest."""
-    from safepoint.ops.verify_local import local_target
+    from safepoint.ops.verify import local_target
 
     folder = local_target(target)
     if folder is None:
@@ -199,26 +204,22 @@ def _local_total(target: str) -> int | None:
 def cmd_verify(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.ops import progress
-    from safepoint.ops.verify_local import verify_unknown_local
+    from safepoint.ops.verify import verify
 
     shown = err.is_terminal and not args.json
     with progress.bar(f"verify {args.url}", _local_total(args.url) if shown else None, err, enabled=shown):
         config = load_config()
-        found = verify_unknown_local(args.url, args.catalog or config.catalog_url)  # a folder the catalog lacks
-        if found is None:
-            from safepoint.ops.verify import verify_url  # opens the catalog (SQLAlchemy): only when needed
-
-            found = verify_url(_catalog(args), args.url, config)
-        report, where = found
-    good = report.outcome.value == "verified"
+        # The catalog by URL: opened (SQLAlchemy) only when it may know the target.
+        done = verify(args.catalog or config.catalog_url, args.url, config)
+    report, where = done.report, done.where
     if args.json:
         print(json.dumps({"url": where, "state": str(report.outcome), "summary": report.summary(),
                           "bytes_checked": report.bytes_checked, "error": report.error,
                           "files": {path: str(status) for path, status in report.files.items()}}, indent=1))
     else:
-        (out if good else err).print(f"{where}: {'verified' if good else str(report.outcome)}: {report.summary()}",
-                                     markup=False)
-    return EXIT_OK if good else EXIT_BAD
+        (out if done.good else err).print(f"{where}: {'verified' if done.good else str(report.outcome)}: "
+                                          f"{report.summary()}", markup=False)
+    return EXIT_OK if done.good else EXIT_BAD
 
 
 def cmd_validate(args) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -68,30 +68,32 @@ def check_file(entry: FileEntry, size: int | None, digest: Callable[[], str]) ->
 
 
 def verify_manifest(
-    manifest: Manifest,
+    manifest: Manifest | Sequence[FileEntry],
     size_of: Callable[[str], int | None],
     digest_of: Callable[[str], str],
     *,
     workers: int = 4,
 ) -> VerifyReport:
-    """Check every file of `manifest` with the given stat and hash functions (local or remote)."""
+    """Check every file of `manifest` (or a batch of its entries) with the given stat and hash functions
+    (local or remote)."""
+    files = tuple(manifest.files if isinstance(manifest, Manifest) else manifest)
     report = VerifyReport()
 
     def one(entry: FileEntry) -> FileStatus:
         return check_file(entry, size_of(entry.path), lambda: digest_of(entry.path))
 
-    if workers > 1 and len(manifest.files) > 1:
+    if workers > 1 and len(files) > 1:
         from concurrent.futures import ThreadPoolExecutor  # not for one file: its imports cost ~2 ms
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            _record(report, manifest, pool.map(one, manifest.files))
+            _record(report, files, pool.map(one, files))
     else:
-        _record(report, manifest, map(one, manifest.files))
+        _record(report, files, map(one, files))
     return report
 
 
-def _record(report: VerifyReport, manifest: Manifest, statuses: Iterable[FileStatus]) -> None:
-    for entry, status in zip(manifest.files, statuses):
+def _record(report: VerifyReport, files: Sequence[FileEntry], statuses: Iterable[FileStatus]) -> None:
+    for entry, status in zip(files, statuses):
         report.files[entry.path] = status
         if status is FileStatus.OK:
             report.bytes_checked += entry.size

@@ -1,7 +1,11 @@
-"""Watch a root for commit markers: find committed folders, wake on inotify, emit and confirm events.
+"""Watch a root for commit markers: one loop, which either ingests each committed folder here or emits an event.
 
-`pending_snapshots` serves the direct `safepoint watch` (ingest in-process); `EmitWatcher` serves
-`safepoint watch --emit` (events to a Prefect server, see safepoint.events).
+`Watcher` is the loop, written once: it rescans ROOT (cheap: committed folders are not descended
+into), wakes on inotify where it can, hands each new marker to its sink and, every
+`timeouts_every` seconds, applies multi-node timeouts (no flow has to wait for a dead node's
+ranks). The sink is what differs: `IngestHere` (`safepoint watch`: ingest in this process, through
+a callable the caller gives) or `Emit` (`safepoint watch --emit`: spool the marker, emit its event
+and drive it to a finished ingest, see safepoint.events.markers).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config
 from safepoint.core.errors import FormatError
+from safepoint.core.exits import EXIT_BAD, EXIT_ERROR, EXIT_OK
 from safepoint.core.format import MARKER_NAME
 from safepoint.core.states import CheckpointState as CS
 from safepoint.events.markers import Dispatcher, Marker, ingest_finished
@@ -44,11 +50,14 @@ def marker_identity(folder: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_ino
 
 
+def finished(catalog: Catalog, folder: Path) -> bool:
+    """The catalog holds the folder's checkpoint in an end state: nothing left to ingest."""
+    row = catalog.find_by_local_path(str(folder))
+    return row is not None and row.state in DONE
+
+
 def pending_snapshots(root: Path, catalog: Catalog) -> Iterator[Path]:
-    for folder in committed_folders(root):
-        row = catalog.find_by_local_path(str(folder))
-        if row is None or row.state not in DONE:
-            yield folder
+    return (folder for folder in committed_folders(root) if not finished(catalog, folder))
 
 
 class ChangeWaiter:
@@ -93,74 +102,175 @@ class ChangeWaiter:
         self._stop.set()
 
 
-class EmitWatcher:
-    """`safepoint watch ROOT --emit`: spool every new marker and drive it to a finished ingest.
+class Offer(NamedTuple):
+    took: bool     # the sink took the marker on (an ingest ran, an event was spooled)
+    settle: bool   # offer this marker no more (until the folder is sealed again)
 
-    Each pass rescans ROOT (cheap: committed folders are not descended into), spools markers it has
-    not seen, runs the dispatcher over the spool (safepoint.events) and, every `timeouts_every`
-    seconds, applies multi-node timeouts (no flow has to wait for a dead node's ranks).
-    """
 
-    def __init__(self, root: Path, to: list[str], catalog: Catalog, dispatcher: Dispatcher, node: str, *,
-                 config: Config | None = None, interval: float = 2.0, timeouts_every: float | None = 10.0,
-                 use_inotify: bool = True, on_event: Callable[[str], None] | None = None):
-        self.root, self.to, self.catalog, self.dispatcher, self.node = Path(root), list(to), catalog, dispatcher, node
-        self.config = config
+Say = Callable[[str], None]
+
+
+class Sink(Protocol):
+    """What a watcher does with a committed folder."""
+
+    def wants(self, folder: Path) -> bool:
+        """Whether to open the folder at all (False: nothing to do; asked again next pass)."""
+
+    def offer(self, folder: Path, snap: LocalSnapshot, say: Say) -> Offer:
+        """Take on a committed folder whose control files are sound."""
+
+    def refuse(self, folder: Path, error: FormatError, say: Say) -> None:
+        """A folder whose control files are not (hostile or rotten): never retried until its marker changes."""
+
+    def start(self, say: Say, where: str) -> None:
+        """The loop starts watching `where` (the root and how: inotify or polling)."""
+
+    def tick(self, now: float, say: Say) -> None: ...
+
+    def busy(self) -> bool:
+        """Work is still in flight (a `--once` watcher waits for it)."""
+
+
+class Watcher:
+    """The watch loop: each pass offers every committed folder with a new marker to the sink, lets the
+    sink progress, and applies multi-node timeouts every `timeouts_every` seconds."""
+
+    def __init__(self, root: Path, catalog: Catalog, sink: Sink, *, config: Config | None = None,
+                 interval: float = 2.0, timeouts_every: float | None = 10.0, use_inotify: bool = True,
+                 on_event: Say | None = None):
+        self.root, self.catalog, self.sink, self.config = Path(root), catalog, sink, config
         self.interval, self.timeouts_every = interval, timeouts_every
         self.use_inotify = use_inotify
-        self.say = on_event or (lambda text: None)
-        self._known: dict[Path, tuple[int, int]] = {}
+        self.say: Say = on_event or (lambda text: None)
+        self._settled: dict[Path, tuple[int, int]] = {}
         self._last_timeouts = 0.0
 
-    def _marker_id(self, folder: Path) -> tuple[int, int] | None:
-        return marker_identity(folder)
-
     def scan(self) -> int:
-        """Spool markers not seen before; returns how many were added."""
-        added = 0
+        """Offer the folders whose marker is new to the sink; returns how many it took on."""
+        took = 0
         for folder in committed_folders(self.root):
-            ident = self._marker_id(folder)
-            if ident is None or self._known.get(folder) == ident:
+            ident = marker_identity(folder)
+            if ident is None or self._settled.get(folder) == ident or not self.sink.wants(folder):
                 continue
             try:
                 snap = LocalSnapshot.open(folder)
             except FormatError as e:
-                self.say(f"not emitting {folder}: {e}")
-                self._known[folder] = ident
+                self._settled[folder] = ident
+                self.sink.refuse(folder, e, self.say)
                 continue
-            marker = Marker.of(snap, self.to, self.node)
-            self._known[folder] = ident
-            if ingest_finished(self.catalog, marker) is not None:
-                continue
-            if self.dispatcher.add(marker):
-                added += 1
-                self.say(f"marker {marker.run}/{marker.step} ({marker.node}) at {folder}: event {marker.event_id}")
-        return added
+            offer = self.sink.offer(folder, snap, self.say)
+            took += offer.took
+            if offer.settle:
+                self._settled[folder] = ident
+            else:
+                self._settled.pop(folder, None)
+        return took
 
-    def pass_once(self, now: float | None = None) -> list[Marker]:
+    def pass_once(self, now: float | None = None) -> None:
         now = now if now is not None else time.time()
         self.scan()
-        done = self.dispatcher.tick(now)
-        for m in done:
-            self.say(f"ingested {m.run}/{m.step} ({m.node})")
+        self.sink.tick(now, self.say)
         if self.timeouts_every is not None and now - self._last_timeouts >= self.timeouts_every:
             self._last_timeouts = now
             for a in apply_timeouts(self.catalog, self.config, assemble=False):
                 self.say(f"{a.run}/{a.step}: {a.state}: {a.assessment.summary()}")
-        return done
 
     def run(self, stop: threading.Event | None = None, *, once: bool = False) -> None:
         stop = stop or threading.Event()
         waiter = ChangeWaiter(self.root, use_inotify=self.use_inotify)
-        warm = getattr(self.dispatcher.gateway, "warm", None)
-        if warm:
-            warm()
-        self.say(f"watching {self.root} ({waiter.mode}), node {self.node}")
+        self.sink.start(self.say, f"{self.root} ({waiter.mode})")
         try:
             while not stop.is_set():
                 self.pass_once()
-                if once and not self.dispatcher.spool.all():
+                if once and not self.sink.busy():
                     return
                 waiter.wait(self.interval)
         finally:
             waiter.close()
+
+
+class IngestHere:
+    """`safepoint watch`: ingest each pending folder in this process with `ingest(folder, snap)` (an exit
+    code; `snap` is the folder opened, so the ingest need not read its control files again).
+
+    A folder whose ingest raises (a step the catalog cannot hold, an unreachable destination) is set
+    aside until its marker changes and the others go on; one that ended without an end state (a
+    failed copy, a part that waits for the others) is offered again on the next pass. `worst` is the
+    worst exit code so far: 1 for a verdict (hostile control files among them), 2 for a failure.
+    """
+
+    def __init__(self, catalog: Catalog, ingest: Callable[[Path, LocalSnapshot], int],
+                 describe: Callable[[BaseException], str] = str):
+        self.catalog, self.ingest, self.describe = catalog, ingest, describe
+        self.worst = EXIT_OK
+
+    def wants(self, folder: Path) -> bool:
+        return not finished(self.catalog, folder)
+
+    def offer(self, folder: Path, snap: LocalSnapshot, say: Say) -> Offer:
+        say(f"ingesting {folder}")
+        try:
+            code = self.ingest(folder, snap)
+        except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher
+            say(f"{self.describe(e)} ({folder}: set aside until its marker changes)")
+            self.worst = max(self.worst, EXIT_ERROR)
+            return Offer(took=True, settle=True)
+        self.worst = max(self.worst, code)
+        return Offer(took=True, settle=False)
+
+    def refuse(self, folder: Path, error: FormatError, say: Say) -> None:
+        say(f"set aside {folder}: {error} (until its marker changes)")
+        self.worst = max(self.worst, EXIT_BAD)
+
+    def start(self, say: Say, where: str) -> None:
+        pass
+
+    def tick(self, now: float, say: Say) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return False
+
+
+class Emit:
+    """`safepoint watch --emit`: spool each new marker, emit its event and drive it to a finished ingest."""
+
+    def __init__(self, catalog: Catalog, dispatcher: Dispatcher, to: list[str], node: str):
+        self.catalog, self.dispatcher, self.to, self.node = catalog, dispatcher, list(to), node
+
+    def wants(self, folder: Path) -> bool:
+        return True
+
+    def offer(self, folder: Path, snap: LocalSnapshot, say: Say) -> Offer:
+        marker = Marker.of(snap, self.to, self.node)
+        if ingest_finished(self.catalog, marker) is not None or not self.dispatcher.add(marker):
+            return Offer(took=False, settle=True)
+        say(f"marker {marker.run}/{marker.step} ({marker.node}) at {folder}: event {marker.event_id}")
+        return Offer(took=True, settle=True)
+
+    def refuse(self, folder: Path, error: FormatError, say: Say) -> None:
+        say(f"not emitting {folder}: {error}")
+
+    def start(self, say: Say, where: str) -> None:
+        warm = getattr(self.dispatcher.gateway, "warm", None)
+        if warm:
+            warm()
+        say(f"watching {where}, node {self.node}")
+
+    def tick(self, now: float, say: Say) -> None:
+        for m in self.dispatcher.tick(now):
+            say(f"ingested {m.run}/{m.step} ({m.node})")
+
+    def busy(self) -> bool:
+        return bool(self.dispatcher.spool.all())
+
+
+class EmitWatcher(Watcher):
+    """`safepoint watch ROOT --emit`: the watch loop with the `Emit` sink."""
+
+    def __init__(self, root: Path, to: list[str], catalog: Catalog, dispatcher: Dispatcher, node: str, *,
+                 config: Config | None = None, interval: float = 2.0, timeouts_every: float | None = 10.0,
+                 use_inotify: bool = True, on_event: Say | None = None):
+        super().__init__(root, catalog, Emit(catalog, dispatcher, to, node), config=config, interval=interval,
+                         timeouts_every=timeouts_every, use_inotify=use_inotify, on_event=on_event)
+        self.dispatcher, self.node = dispatcher, node

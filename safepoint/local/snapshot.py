@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from safepoint.core.format import (
     MARKER_NAME,
     MAX_MANIFEST_BYTES,
     TMP_PREFIX,
+    FileEntry,
     Manifest,
     load_committed,
     safe_relpath,
@@ -86,11 +87,13 @@ class LocalSnapshot:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def verify(self, workers: int = 2, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Re-hash every local file against the manifest; `progress` gets each file's size once hashed."""
+    def verify(self, workers: int = 2, progress: Callable[[int], None] | None = None,
+               files: Sequence[FileEntry] | None = None) -> VerifyReport:
+        """Re-hash every local file (or `files`, a batch of them) against the manifest; `progress` gets
+        each file's size once hashed."""
         report = VerifyReport()
         safe = []
-        for entry in self.manifest.files:
+        for entry in self.manifest.files if files is None else files:
             try:
                 self.path_of(entry.path)
                 safe.append(entry)

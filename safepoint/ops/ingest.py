@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,19 +60,42 @@ def ingest(folder: str | Path, destinations: list[str], catalog: Catalog, config
                       skip_if_verified=skip_if_verified, runner=runner).outcome
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a caller in this process already read and checked for one ingest (the CLI, before Prefect
+    starts): the snapshot opened, the destinations resolved, with their credentials, and checked. The
+    ingest flow takes it from `PREPARED` instead of reading and checking all of it again; it never
+    becomes a flow parameter (it holds credentials)."""
+
+    snap: LocalSnapshot
+    to: list[str]
+    config: Config
+
+    def serves(self, snapshot: str | Path) -> bool:
+        return Path(snapshot).resolve() == self.snap.root
+
+
+PREPARED: ContextVar[Prepared | None] = ContextVar("safepoint_prepared_ingest", default=None)
+
+
 def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, config: Config | None = None, *,
                model: str | None = None, event_id: str | None = None, skip_if_verified: bool = False,
-               runner: StepRunner = INLINE) -> IngestReport:
-    """`ingest`, returning the detail recorded with `ingest.done` as well."""
-    config = config or load_config()
-    to = list(destinations) or list(config.section("ingest").get("to", []))
+               runner: StepRunner = INLINE, prepared: Prepared | None = None) -> IngestReport:
+    """`ingest`, returning the detail recorded with `ingest.done` as well. `prepared`: the snapshot and the
+    destinations (resolved and checked) of a caller that has them already (`destinations` and `config` unused)."""
+    if prepared is not None:
+        config, to = prepared.config, list(prepared.to)
+    else:
+        config = config or load_config()
+        to = list(destinations) or list(config.section("ingest").get("to", []))
     if not to:
         raise ValueError("no destination: pass `to` or set [ingest] to = [...] in config.toml")
-    check_destinations(to, config.storage_options)  # before any state changes: a bad one is one clear error
+    if prepared is None:
+        check_destinations(to, config.storage_options)  # before any state changes: a bad one is one clear error
     t0 = time.perf_counter()
     snapshot = str(folder)
     try:
-        snap = runner.run("open-snapshot", LocalSnapshot.open, folder)
+        snap = prepared.snap if prepared is not None else runner.run("open-snapshot", LocalSnapshot.open, folder)
         if is_part(snap.manifest):
             check_part(snap.manifest)  # a part that breaks the layout rules is refused like a broken folder
     except FormatError as e:

@@ -4,7 +4,7 @@ Bit rot on a remote disk is silent until someone reads the bytes. Reading every 
 on every pass is too expensive, so each pass reads one slice `i` of `n` of every replica's files
 (a file's slice is a hash of run, step and path: stable across passes and hosts), and the next pass
 reads slice `i+1`. After `n` passes every byte was read once. A slice that finds a problem is
-followed at once by a full verification through `safepoint.ops.verify.verify_url`, which records
+followed at once by a full verification through `safepoint.ops.verify.verify`, which records
 the replica as corrupt or missing and settles the checkpoint (the last good copy is never dropped);
 then what rot damaged is re-replicated from a copy that still verifies (safepoint.ops.reconcile).
 
@@ -15,26 +15,20 @@ steps out (threads or Dask).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, load_committed
-from safepoint.core.hashing import hash_path
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, load_committed
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
-from safepoint.core.verify import FileStatus, VerifyReport, check_file
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
-from safepoint.local.snapshot import resolve_inside
-from safepoint.ops.progress import CountingDestination, hook
 from safepoint.ops.reconcile import repair as repair_checkpoints
 from safepoint.ops.runner import INLINE, StepRunner
-from safepoint.ops.verify import bound_problem, verify_url
+from safepoint.ops.verify import bound_problem, merge_reports, verify, verify_batch
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.scrub import next_slice, parse_subset, select
 
@@ -60,32 +54,6 @@ def targets(catalog: Catalog, run: str | None = None) -> list[Target]:
     return out
 
 
-def replica_manifest(dest: Destination, run: str, step: int) -> Manifest:
-    """The replica's own manifest, bound by its marker (FormatError otherwise)."""
-    return load_committed(dest.read_control(run, step, MANIFEST_NAME), dest.read_control(run, step, MARKER_NAME))
-
-
-def verify_files(dest: Destination, run: str, step: int, files: Sequence[FileEntry]) -> VerifyReport:
-    """Hash some files of a replica against their manifest entries (one batch of a scrub)."""
-    report = VerifyReport()
-    for f in files:
-        status = check_file(f, dest.size(run, step, f.path), lambda f=f: dest.digest(run, step, f.path))
-        report.files[f.path] = status
-        if status is FileStatus.OK:
-            report.bytes_checked += f.size
-    return report
-
-
-def merge_reports(reports: Sequence[VerifyReport]) -> VerifyReport:
-    out = VerifyReport()
-    for r in reports:
-        out.files.update(r.files)
-        out.bytes_checked += r.bytes_checked
-        if r.error and not out.error:
-            out.error = r.error
-    return out
-
-
 def last_pass(catalog: Catalog) -> dict[str, Any] | None:
     """Detail of the most recent scrub pass (a `scrub` catalog event with `pass: true`)."""
     for e in reversed(catalog.events(kind=SCRUB_EVENT)):
@@ -108,33 +76,6 @@ def slice_plan(dest: Destination, target: Target, index: int, of: int, catalog: 
     if problem:
         return [], f"{target.url}: {problem}"
     return select(manifest, index, of), None
-
-
-def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
-    """Hash a batch of a replica's files (runs wherever the runner puts it: here, a thread or a Dask worker)."""
-    dest = open_destination(destination, config.storage_options(destination))
-    counted = CountingDestination(dest, hook()) if hook() else dest  # feeds the CLI's progress bar
-    try:
-        return verify_files(counted, run, step, files)  # type: ignore[arg-type]
-    finally:
-        dest.close()
-
-
-def verify_local_batch(root: str, files: list[FileEntry]) -> VerifyReport:
-    """Hash a batch of a local snapshot folder's files."""
-    report = VerifyReport()
-    base = Path(root)
-    for f in files:
-        try:
-            path = resolve_inside(base, f.path)
-        except Exception:  # noqa: BLE001 - FormatError: the path escapes the folder
-            report.files[f.path] = FileStatus.UNSAFE_PATH
-            continue
-        size = path.stat().st_size if path.is_file() else None
-        report.files[f.path] = status = check_file(f, size, lambda p=path: hash_path(p)[1])
-        if status is FileStatus.OK:
-            report.bytes_checked += f.size
-    return report
 
 
 def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str | None = None,
@@ -171,7 +112,7 @@ def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str
         outcome = "ok"
         if rep.problems:
             # A slice found rot: verify the whole replica now, which records it and settles the checkpoint.
-            full, _ = verify_url(catalog, target.url, config)
+            full = verify(catalog, target.url, config, runner=runner).report
             outcome = str(full.outcome)
             damaged.add(target.checkpoint_id)
         catalog.add_event(SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
@@ -179,7 +120,7 @@ def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str
             "problems": {p: str(s) for p, s in rep.problems.items()}, "outcome": outcome})
         rows.append({"url": target.url, "files": n, "bytes": rep.bytes_checked, "outcome": outcome})
     for target, error in unusable:
-        full, _ = verify_url(catalog, target.url, config)
+        full = verify(catalog, target.url, config, runner=runner).report
         damaged.add(target.checkpoint_id)
         catalog.add_event(SCRUB_EVENT, checkpoint_id=target.checkpoint_id, detail={
             "url": target.url, "index": index, "of": of, "files": 0, "bytes": 0, "error": error,
