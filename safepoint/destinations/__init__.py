@@ -74,6 +74,8 @@ def _open_block(url: str, storage_options: dict[str, Any] | None) -> Destination
         raise UsageError(f"{url}: a Prefect block; it is resolved where Prefect is (the safepoint command, "
                          "or `import safepoint.flows.credentials` first)")
     plain, options = resolve(url)  # the bucket's configured options, the block's credentials over them
-    dest = open_destination(plain, {**options, **(storage_options or {})})
-    dest.url = url
-    return dest
+    backend = _backend(plain, {**options, **(storage_options or {})})
+    backend.url = url  # its snapshot URLs name the block, as the catalog records them
+    from safepoint.destinations.retrying import RetryingDestination
+
+    return RetryingDestination(backend)
