@@ -51,7 +51,7 @@ def _installed(names: Sequence[str]) -> list[ModuleType]:
         try:
             found.append(importlib.import_module(name))
         except ModuleNotFoundError as e:
-            if (e.name or "").split(".")[0] != name.split(".")[0]:
+            if e.name != name.split(".")[0]:
                 raise  # the package is there but broken: its own error says why
     if not found:
         raise ImportError("safepoint.integrations.lightning needs Lightning: "
