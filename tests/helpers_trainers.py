@@ -7,6 +7,7 @@ optimizer moment, inf in callback metadata), rewriting the file in its own forma
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -55,8 +56,9 @@ def hf_trainer_run(out: Path, *, steps: int = 4, save_steps: int = 2, callbacks:
     return sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
 
 
-def _lightning_module():
-    import pytorch_lightning as pl
+def _lightning_module(package: str = "pytorch_lightning"):
+    """A tiny regression LightningModule of `package` (`pytorch_lightning` or `lightning.pytorch`)."""
+    pl = importlib.import_module(package)
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -257,10 +259,12 @@ def lightning_two_optimizers_module(shift: float = 0.0):
     return TwoOptimizers()
 
 
-def lightning_fit(root: Path, module, *, steps: int, every: int, plugins: list, ckpt_path: str | None = None) -> Path:
-    """fit() with a ModelCheckpoint every `every` steps into root/ckpts (resumed from `ckpt_path`)."""
-    import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import ModelCheckpoint
+def lightning_fit(root: Path, module, *, steps: int, every: int, plugins: list, ckpt_path: str | None = None,
+                  package: str = "pytorch_lightning") -> Path:
+    """fit() with a ModelCheckpoint every `every` steps into root/ckpts (resumed from `ckpt_path`), by the
+    Trainer of `package` (`pytorch_lightning` or `lightning.pytorch`, the module's own)."""
+    pl = importlib.import_module(package)
+    ModelCheckpoint = pl.callbacks.ModelCheckpoint  # noqa: N806
 
     torch.manual_seed(0)
     dirpath = root / "ckpts"

@@ -226,7 +226,7 @@ def test_loaded_by_follows_eager_imports_and_packages():
 #: each training-side module and the trainer library it imports first (whose own imports are not ours)
 TRAINING_IMPORTS = [
     ("safepoint.integrations.huggingface", "transformers.trainer_utils, transformers.trainer_callback"),
-    ("safepoint.integrations.lightning", "lightning_fabric.plugins.io.torch_io"),
+    ("safepoint.integrations.lightning", "lightning.fabric.plugins.io.torch_io, lightning_fabric.plugins.io.torch_io"),
     ("safepoint.integrations.accelerate", None),
     ("safepoint.integrations.dcp", None),
     ("safepoint.integrations.sealing", None),

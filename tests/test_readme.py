@@ -164,10 +164,16 @@ args = TrainingArguments(output_dir="out", max_steps=4, save_steps=2, per_device
 """, ["out"]),
     "lightning": ("""
 import safepoint
-import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from tests.helpers_trainers import _lightning_module
 model = _lightning_module()
+checkpointing = ModelCheckpoint(dirpath="ckpts", every_n_train_steps=2, save_top_k=-1)
+""", ["ckpts"]),
+    "lightning.pytorch": ("""
+import safepoint
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tests.helpers_trainers import _lightning_module
+model = _lightning_module("lightning.pytorch")
 checkpointing = ModelCheckpoint(dirpath="ckpts", every_n_train_steps=2, save_top_k=-1)
 """, ["ckpts"]),
     "dcp": ("""
@@ -225,7 +231,7 @@ def trained(request, tmp_path_factory, prefect_api):
     return Trained(name, work, catalog_url, namespace, resume)
 
 
-@pytest.mark.slow  # four trainers trained and ingested
+@pytest.mark.slow  # five trainers trained and ingested
 def test_trainer_snippet_seals_what_it_saves_and_each_is_verified(trained):
     from safepoint.catalog.store import open_catalog
 

@@ -1,7 +1,12 @@
 """PyTorch Lightning: each checkpoint written into its own `step-N/` folder, and sealed there.
 
+    import lightning.pytorch as pl            # or: import pytorch_lightning as pl
     from safepoint.integrations.lightning import SafepointCheckpointIO
     trainer = pl.Trainer(..., plugins=[SafepointCheckpointIO(run="my-run")])
+
+Both packages work, alone or together: the unified `lightning` ships its own copy of
+`lightning_fabric`'s `CheckpointIO`, and each Trainer accepts only a plugin of its own copy, so
+`SafepointCheckpointIO` subclasses the copy of every package installed (`lightning` first).
 
 `ModelCheckpoint` keeps choosing names and when to save; this CheckpointIO redirects each save of
 `dirpath/epoch=0-step=100.ckpt` to `dirpath/step-100/epoch=0-step=100.ckpt` (N is the checkpoint's
@@ -18,14 +23,13 @@ To resume: `trainer.fit(model, ckpt_path=sealed_checkpoint(safepoint.restore(run
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
-
-from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from safepoint.core import resumed
 from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal_and_announce, unseal_before_write
@@ -34,6 +38,31 @@ from safepoint.local.snapshot import LocalSnapshot, is_committed
 __all__ = ["SafepointCheckpointIO", "sealed_checkpoint", "step_folder"]
 
 log = logging.getLogger("safepoint.integrations")
+
+#: where each Lightning package keeps its CheckpointIO and TorchCheckpointIO, in the order Ray and
+#: NVIDIA's resiliency kit try them: the unified `lightning`, then `pytorch_lightning`'s `lightning_fabric`
+_PACKAGES = ("lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io")
+
+
+def _installed(names: Sequence[str]) -> list[ModuleType]:
+    """The `torch_io` module of each Lightning package installed; a clear ImportError if none is."""
+    found = []
+    for name in names:
+        try:
+            found.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name.split(".")[0]:
+                raise  # the package is there but broken: its own error says why
+    if not found:
+        raise ImportError("safepoint.integrations.lightning needs Lightning: "
+                          "pip install lightning (import lightning.pytorch) or pytorch-lightning "
+                          "(import pytorch_lightning)")
+    return found
+
+
+_IO = _installed(_PACKAGES)
+CheckpointIO = _IO[0].CheckpointIO
+TorchCheckpointIO = _IO[0].TorchCheckpointIO
 
 
 def step_folder(path: str | os.PathLike, step: int) -> Path:
@@ -53,8 +82,11 @@ def sealed_checkpoint(folder: str | os.PathLike) -> str:
     return os.path.join(os.fspath(folder), (named or files)[0])
 
 
-class SafepointCheckpointIO(CheckpointIO):
-    """A CheckpointIO that writes through `inner` (torch.save by default) into step folders, sealed."""
+class SafepointCheckpointIO(*(m.CheckpointIO for m in _IO)):  # type: ignore[misc]
+    """A CheckpointIO that writes through `inner` (torch.save by default) into step folders, sealed.
+
+    A subclass of each installed package's `CheckpointIO`: `lightning.pytorch.Trainer` and
+    `pytorch_lightning.Trainer` both accept it."""
 
     def __init__(self, run: str, *, inner: CheckpointIO | None = None, emit_to: Sequence[str] = (),
                  node: str | None = None, workers: int = 2, strict: bool = True) -> None:
