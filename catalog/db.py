@@ -99,7 +99,7 @@ def make_engine(url: str | URL, **kw: Any) -> Engine:
         if u.database in (None, "", ":memory:"):
             kw.setdefault("poolclass", StaticPool)
             kw.setdefault("connect_args", {"check_same_thread": False})
-        else:
+        elif not u.query.get("uri"):  # a `file:` URI (?uri=true) is sqlite3's to open, not a path here
             Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(u, **kw)
         _sqlite_events(engine)

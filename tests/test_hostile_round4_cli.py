@@ -266,3 +266,4 @@ def test_ls_of_a_uri_catalog_url_lists_what_resume_point_finds(seeded, tmp_path:
     assert listed.returncode == 0, listed.stderr
     assert [(c["run"], c["step"]) for c in json.loads(listed.stdout)] == [("r", 5), ("r", 6)]
     assert listed.stderr == ""
+    assert not list(tmp_path.glob("file:*"))  # the URI is sqlite3's to open: no `./file:/...` folder made

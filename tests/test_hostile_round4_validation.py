@@ -150,3 +150,16 @@ def test_a_reader_killed_by_a_rewrite_leaves_a_corrupt_outcome_not_a_verdict(tmp
     report = validate_snapshot(folder, ["model.pt"], digests=digests)
     assert report.outcome == "corrupt", report.summary()
     assert {f.problem for f in report.findings} == {Problem.UNLOADABLE, Problem.CHANGED}
+
+
+def test_validate_by_hand_holds_a_committed_folder_to_its_manifest(tmp_path, capsys):
+    """`safepoint validate FOLDER` judges a committed folder's manifest bytes only: a file rewritten
+    after the seal (same size, other bytes) is `changed`, never judged good (exit 1)."""
+    folder = _checkpoint(tmp_path, 1, _state(1.0))
+    assert sp("validate", folder) == 0
+    capsys.readouterr()
+    (folder / "model.pt").write_bytes(_state(2.0))  # same shape, same size: only the digest tells
+    assert sp("validate", folder, "--json") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["outcome"] == "corrupt"
+    assert any(f["problem"] == str(Problem.CHANGED) for f in report["findings"])

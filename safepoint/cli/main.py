@@ -231,18 +231,19 @@ def cmd_validate(args) -> int:
         raise UsageError("validate works on a local snapshot folder or file:// URL")
     if not Path(path).is_dir():
         raise UsageError(f"{path}: not a directory")
-    files, run, step = None, None, None
+    files, run, step, digests = None, None, None, None
     from safepoint.core.config import load_config
     from safepoint.local.snapshot import LocalSnapshot
     from safepoint.validation.settings import ValidationSettings
 
-    try:
+    try:  # a committed folder: its manifest's files, each held to its digest as it is read
         manifest = LocalSnapshot.open(path).manifest
         files, run, step = [f.path for f in manifest.files], manifest.run, manifest.step
+        digests = {f.path: f.blake3 for f in manifest.files}
     except SafepointError:
         pass
     settings = ValidationSettings.from_config(load_config(), run, model=args.model)
-    report = validate_snapshot(path, files, settings=settings, step=step)
+    report = validate_snapshot(path, files, settings=settings, step=step, digests=digests)
     if args.json:
         print(json.dumps({"path": path, **report.to_dict()}, indent=1, default=str))
         return EXIT_OK if report.ok else EXIT_BAD
@@ -277,12 +278,12 @@ def cmd_prune(args) -> int:
         for d in r["decisions"]:
             c = d.checkpoint
             verb = "keep  " if d.keep else ("would delete" if args.dry_run else "delete")
-            out.print(f"{verb} {c.run}/{c.step} ({c.state}): {'; '.join(d.reasons)}")
+            out.print(f"{verb} {c.run}/{c.step} ({c.state}): {'; '.join(d.reasons)}", markup=False)
         if not args.dry_run:
             out.print(f"{r['run']}: pruned {len(r['pruned'])} checkpoint(s)"
                       + (f", {len(r['skipped'])} kept after re-checking the catalog" if r["skipped"] else ""))
         for e in r["errors"]:
-            err.print(f"could not delete {e} (the next prune retries)")
+            err.print(f"could not delete {e} (the next prune retries)", markup=False)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "decisions"} for r in reports], indent=1))
     return EXIT_ERROR if any(r["errors"] for r in reports) else EXIT_OK
