@@ -1,6 +1,6 @@
 """The validate flow: the dry-run load of a recorded checkpoint again, from its verified replica, as a Prefect task.
 
-The step is safepoint.ops.ingest.validate_assembled, what an ingest and the completeness check run
+The step is safepoint.ops.assemble.validate_assembled, what an ingest and the completeness check run
 (inline or as a task); the report is published as an artifact.
 """
 
