@@ -21,10 +21,9 @@ def sp(*args: object) -> int:
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    sub.load_all()
-    return dict(sub.choices)
+    _parser, commands = cli.build_parser()
+    commands.load_all()
+    return dict(commands.choices)
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))
@@ -138,3 +137,30 @@ def test_rich_tables_to_a_pipe_keep_whole_values(sqlite_catalog, tmp_path):
     got = subprocess.run([sys.executable, "-m", "safepoint.cli", "risk", "--run", "r" * 90, "--catalog",
                           sqlite_catalog.url], capture_output=True, text=True, env=env, check=True)
     assert "r" * 90 in got.stdout and "…" not in got.stdout
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["verify", "x"], "verify"),
+    (["--catalog", "sqlite:///c.db", "ls"], "ls"),           # a global option's value is not the command
+    (["--catalog=sqlite:///c.db", "-v", "ls", "--json"], "ls"),
+    (["-v", "resume-point", "--run", "verify"], "resume-point"),
+    (["--help"], None),
+    ([], None),
+    (["nosuch", "ls"], None),                                # the first word decides; argparse then refuses it
+])
+def test_the_chosen_command_is_the_first_positional_word(argv, name):
+    from safepoint.cli.registry import chosen
+
+    assert chosen(argv) == name
+
+
+def test_a_command_imports_only_its_own_modules():
+    """`safepoint verify --help` loads the verify command's module, not the catalog or event commands'."""
+    code = ("import sys, safepoint.cli.main as m\n"
+            "try:\n    m._dispatch(['verify', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(n for n in sys.modules if n.startswith('safepoint.cli.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = out.strip().splitlines()[-1]
+    assert "safepoint.cli.main" in loaded
+    for other in ("catalog_cmds", "events_cmds", "repair_cmds", "restore_cmds", "validation_cmds"):
+        assert f"safepoint.cli.{other}" not in loaded, loaded

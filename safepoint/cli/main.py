@@ -27,7 +27,7 @@ from safepoint.cli.common import (
 from safepoint.cli.console import inert, plain_table
 from safepoint.cli.guard import checked_output, exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
-from safepoint.cli.registry import add_commands, add_global_options, parent_arg, step_arg
+from safepoint.cli.registry import Commands, add_commands, add_global_options, parent_arg, parse, step_arg
 from safepoint.core.errors import SafepointError, UsageError
 from safepoint.destinations import BLOCK_SCHEME, register_resolver
 
@@ -297,15 +297,15 @@ def cmd_demo(args) -> int:
     return run_demo(Path(args.dir) if args.dir else None, console=out, progress_console=bar)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command in the registry; a command's module is imported once it is chosen."""
+def build_parser() -> tuple[argparse.ArgumentParser, Commands]:
+    """The parser of every command in the registry, and the commands (a command's modules are
+    imported once it is chosen: `registry.parse`)."""
     p = argparse.ArgumentParser(
         prog="safepoint", description="Verified checkpoints: seal, replicate, verify, validate, catalog, restore.",
         epilog="`safepoint COMMAND --help` explains a command and its exit codes. Exit codes: 0 good, 1 a verdict "
                "(bad checkpoint, or nothing good found), 2 usage or infrastructure error.")
     add_global_options(p, top=True)
-    add_commands(p)
-    return p
+    return p, add_commands(p)
 
 
 def register(sub) -> None:
@@ -404,8 +404,8 @@ def _prestart_sandbox() -> None:
 
 
 def _dispatch(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)  # argparse exits 2 on usage errors already
+    parser, commands = build_parser()
+    args = parse(parser, commands, sys.argv[1:] if argv is None else list(argv))  # argparse exits 2 on usage errors
     console_logging(args.verbose)
     register_resolver(BLOCK_SCHEME, _resolve_block)  # catalogued block:// replicas open through their block
     # First: the sandbox's fork server imports torch while Prefect loads (`watch --emit` only sends events).

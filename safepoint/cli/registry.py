@@ -4,17 +4,18 @@
 their dependencies: rich tables, the catalog, Prefect) only once argparse has chosen that command.
 So `safepoint verify` starts about as fast as `b3sum`, however many command groups there are.
 
-A module named here has `register(subparsers)`, which adds the arguments and the handler (`fn`) of
-its commands to `subparsers.add_parser(name)`. Until a command's modules have registered it,
-`subparsers.choices[name]` is None (so a module that extends another's command skips it then).
+A module named here has `register(commands)`, which adds the arguments and the handler (`fn`) of
+its commands to `commands.add_parser(name)` (`Commands`: the parser made up front, returned again).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
+import textwrap
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MAIN = "safepoint.cli.main"
 CATALOG = "safepoint.cli.catalog_cmds"
@@ -177,13 +178,9 @@ def parent_arg(text: str) -> tuple[str, int]:
     return run, step_arg(step)
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """argparse's formatter, but the exit-code block keeps its lines (the description is still wrapped)."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        if text.startswith("exit codes:"):
-            return "\n".join(indent + line for line in text.splitlines())
-        return super()._fill_text(text, width, indent)
+def paragraph(text: str) -> str:
+    """A command's description wrapped to the terminal, as argparse would (its text is shown as given)."""
+    return textwrap.fill(text, max(min(shutil.get_terminal_size().columns, 100) - 2, 40))
 
 
 def epilog(command: Command) -> str:
@@ -200,55 +197,57 @@ def add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
                         **default)
 
 
-class LazySubParsers(argparse._SubParsersAction):
-    """Subcommands declared up front (name and help); each one's modules register it when it is chosen."""
+class Commands:
+    """Every command's parser, made up front with its name, help and exit codes (0.2 ms each), and
+    the arguments each one's modules add once it is chosen. argparse's public API only: the parsers
+    come from `add_subparsers().add_parser`, and a module's `register(commands)` gets them back
+    through `add_parser(name)` (the same parser, made once) or `choices[name]`."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._modules: dict[str, tuple[str, ...]] = {}
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self._sub = parser.add_subparsers(dest="command", required=True)
+        self.choices: dict[str, argparse.ArgumentParser] = {}
         self._registered: set[str] = set()
+        for name, command in COMMANDS.items():
+            self.add_parser(name, help=command.help, description=paragraph(command.description or command.help),
+                            epilog=epilog(command), formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def declare(self, name: str, help: str, modules: Sequence[str]) -> None:  # noqa: A002 - argparse's word
-        """List `name` in help and choices; its parser (0.2 ms each) is made when its module registers it."""
-        self._choices_actions.append(self._ChoicesPseudoAction(name, (), help))
-        self._name_parser_map[name] = None  # a valid choice, not yet a parser: `choices.get(name)` is None
-        self._modules[name] = tuple(modules)
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """The parser of `name`: made on first call (with the global options), the same one after."""
+        if name not in self.choices:
+            self.choices[name] = self._sub.add_parser(name, **kwargs)
+            add_global_options(self.choices[name], top=False)
+        return self.choices[name]
 
-    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
-        """The parser of `name`: declared ones keep the registry's help; undeclared ones are added as usual."""
-        if name not in self._modules:
-            return super().add_parser(name, **kwargs)
-        if self._name_parser_map[name] is None:
-            kwargs.pop("help", None)
-            command = COMMANDS.get(name)
-            if command is not None:
-                kwargs.setdefault("description", command.description or command.help)
-                kwargs.setdefault("epilog", epilog(command))
-                kwargs.setdefault("formatter_class", HelpFormatter)
-            parser = self._parser_class(prog=f"{self._prog_prefix} {name}", **kwargs)
-            add_global_options(parser, top=False)
-            self._name_parser_map[name] = parser
-        return self._name_parser_map[name]
-
-    def load(self, name: str) -> None:
+    def load(self, name: str | None) -> None:
         """Import the modules that define `name` and let each register its commands (once per module)."""
-        for module in self._modules.get(name, ()):
+        command = COMMANDS.get(name or "")
+        for module in command.modules if command else ():
             if module not in self._registered:
                 self._registered.add(module)
                 importlib.import_module(module).register(self)
 
     def load_all(self) -> None:
-        for name in list(self._modules):
+        for name in COMMANDS:
             self.load(name)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        self.load(values[0])
-        super().__call__(parser, namespace, values, option_string)
+
+def chosen(argv: Sequence[str]) -> str | None:
+    """The command `argv` names: its first positional word (a global option's value skipped). Pure."""
+    words = iter(argv)
+    for word in words:
+        if word == "--catalog":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
 
-def add_commands(parser: argparse.ArgumentParser) -> LazySubParsers:
-    """Declare every command of COMMANDS on `parser`; none of their modules is imported yet."""
-    sub = parser.add_subparsers(dest="command", required=True, action=LazySubParsers)
-    for name, command in COMMANDS.items():
-        sub.declare(name, command.help, command.modules)
-    return sub
+def add_commands(parser: argparse.ArgumentParser) -> Commands:
+    """Every command of COMMANDS on `parser`; none of their modules is imported yet."""
+    return Commands(parser)
+
+
+def parse(parser: argparse.ArgumentParser, commands: Commands, argv: Sequence[str]) -> argparse.Namespace:
+    """Load the chosen command's modules, then parse: only that command's dependencies are imported."""
+    commands.load(chosen(argv))
+    return parser.parse_args(argv)

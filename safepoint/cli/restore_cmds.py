@@ -7,7 +7,7 @@ import json
 
 from safepoint.cli.common import EXIT_BAD, EXIT_ERROR, EXIT_OK, _fast_catalog, err, out, run_hint
 from safepoint.cli.console import inert
-from safepoint.cli.registry import step_arg
+from safepoint.cli.registry import Commands, step_arg
 
 
 def _size(n: int) -> str:
@@ -55,7 +55,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Commands) -> None:
     s = sub.add_parser("restore")
     s.add_argument("--run", required=True, help="the run to restore")
     s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
