@@ -13,7 +13,7 @@ from safepoint.catalog.views import CheckpointRow, ReplicaRow
 from safepoint.core.errors import CatalogError
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import ReplicaState
-from safepoint.rules.transitions import replica_allowed
+from safepoint.core.transitions import replica_allowed
 
 
 class Replicas(CatalogBase):

@@ -12,7 +12,7 @@ from safepoint.catalog.models import Checkpoint, Run, utcnow
 from safepoint.catalog.views import CheckpointView
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState
-from safepoint.rules.transitions import allowed, sources
+from safepoint.core.transitions import allowed, sources
 
 
 class Transitions(CatalogBase):

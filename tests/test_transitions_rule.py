@@ -1,4 +1,4 @@
-"""The one rule for a checkpoint's state changes (safepoint.rules.transitions), by table, and the walk
+"""The one rule for a checkpoint's state changes (safepoint.core.transitions), by table, and the walk
 the operations take through it (safepoint.ops.steps.walk) on a real catalog."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from safepoint.core.states import CheckpointState as C
-from safepoint.rules.transitions import CHECKPOINT, THROUGH, allowed, path, sources
+from safepoint.core.transitions import CHECKPOINT, THROUGH, allowed, path, sources
 
 
 @pytest.mark.parametrize("src, dst, walk", [
@@ -69,7 +69,7 @@ def test_the_catalog_refuses_what_the_rule_refuses_and_walk_takes_the_rule_s_pat
 ])
 def test_replica_state_table(checkpoint, replica, ok, sqlite_catalog, tmp_path):
     from safepoint.core.states import ReplicaState as R
-    from safepoint.rules.transitions import replica_allowed
+    from safepoint.core.transitions import replica_allowed
     from tests.helpers_catalog import seed
 
     assert replica_allowed(checkpoint, R(replica)) is ok

@@ -1,4 +1,4 @@
-"""States of checkpoints and replicas (the transitions between them: safepoint.rules.transitions)."""
+"""States of checkpoints and replicas (the transitions between them: safepoint.core.transitions)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from safepoint.core.format import MARKER_NAME, Manifest, digest_bytes, parse_mar
 from safepoint.core.redact import redact, redact_url
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
+from safepoint.core.transitions import path
 from safepoint.core.verify import FileStatus
 from safepoint.destinations import open_destination
 from safepoint.destinations.parts import PartDestination, check_part, is_part, part_key
@@ -30,7 +31,6 @@ from safepoint.local.snapshot import LocalSnapshot, read_small
 from safepoint.ops.replicate import Progress, ReplicaResult, replicate
 from safepoint.rules.outcome import Decision, decide
 from safepoint.rules.settle import settle_replication
-from safepoint.rules.transitions import path
 
 log = logging.getLogger("safepoint")
 
@@ -74,7 +74,7 @@ def register(catalog: Catalog, snap: LocalSnapshot) -> CheckpointRow:
 
 def walk(catalog: Catalog, checkpoint_id: int, to: CS, *, start: Iterable[CS] | None = None,
          error: str | None = None, detail: dict[str, Any] | None = None) -> bool:
-    """Move a checkpoint to `to` along the rule's walk (safepoint.rules.transitions.path), each hop a
+    """Move a checkpoint to `to` along the rule's walk (safepoint.core.transitions.path), each hop a
     guarded transition; only from a state in `start` (default: any). True when this caller made the
     last hop; False when the state is not in `start`, there is no walk, or others keep moving it."""
     for _ in range(10):
