@@ -21,11 +21,12 @@ from typing import Any
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, load_committed
+from safepoint.core.format import FileEntry, load_committed
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
+from safepoint.destinations.replica_commit import read_committed
 from safepoint.ops.reconcile import repair as repair_checkpoints
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.ops.verify import bound_problem, merge_reports, verify, verify_batch
@@ -66,7 +67,7 @@ def slice_plan(dest: Destination, target: Target, index: int, of: int, catalog: 
                ) -> tuple[list[FileEntry], str | None]:
     """The files of the slice for one replica, or an error when its control files are unusable or (with
     `catalog`) bind another manifest than the checkpoint the catalog recorded (stale, forged, a rank short)."""
-    manifest_bytes, marker = (dest.read_control(target.run, target.step, n) for n in (MANIFEST_NAME, MARKER_NAME))
+    manifest_bytes, marker = read_committed(dest, target.run, target.step)
     try:
         manifest = load_committed(manifest_bytes, marker)
     except FormatError as e:

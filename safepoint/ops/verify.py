@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, digest_bytes, load_committed
+from safepoint.core.format import MARKER_NAME, FileEntry, digest_bytes, load_committed
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
@@ -31,6 +31,7 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.core.urls import local_path, path_url
 from safepoint.core.verify import VerifyReport, verify_manifest
 from safepoint.destinations import block_url, is_block_url, open_destination
+from safepoint.destinations.replica_commit import read_committed
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import CountingDestination, hook
 from safepoint.ops.runner import INLINE, StepRunner
@@ -116,7 +117,7 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
     groups: list[list[FileEntry]] = []
     try:
         snap_url, dest_url = dest.snapshot_url(run, step), dest.url
-        manifest_bytes, marker = _control(dest, run, step)
+        manifest_bytes, marker = read_committed(dest, run, step)
     finally:
         dest.close()
     if marker is None:
@@ -144,10 +145,6 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
                             proof="read-back" if state is RS.VERIFIED else None)
         settle_copies(catalog, row.id)
     return VerifyOutcome(report, snap_url, len(groups))
-
-
-def _control(dest: Destination, run: str, step: int) -> tuple[bytes | None, bytes | None]:
-    return dest.read_control(run, step, MANIFEST_NAME), dest.read_control(run, step, MARKER_NAME)
 
 
 def _merged(answers: Sequence[VerifyReport | BaseException]) -> VerifyReport:
