@@ -21,7 +21,7 @@ from safepoint.core.format import MARKER_NAME
 from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
 from safepoint.destinations import open_destination
-from safepoint.ops.replicate import verify_replica
+from safepoint.ops.verify import verify_replica
 from safepoint.rules.transitions import allowed as can_transition
 from tests.helpers_catalog import durable, local_folder, seed
 

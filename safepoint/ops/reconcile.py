@@ -43,9 +43,9 @@ from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.good_copy import good_source, verified_copy
 from safepoint.ops.leases import try_once
 from safepoint.ops.reconcile_report import ReconcileReport, Step
-from safepoint.ops.replicate import verify_replica
 from safepoint.ops.steps import replicate_to, settle_copies, walk
 from safepoint.ops.validation import validate_checkpoint
+from safepoint.ops.verify import verify_replica
 from safepoint.rules.reconcile import (
     IN_FLIGHT,
     REPAIRABLE,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
 from safepoint.core.states import CheckpointState, ReplicaState
-from safepoint.core.verify import FileStatus, VerifyReport, check_file, outcome_of, verify_manifest
+from safepoint.core.verify import FileStatus, VerifyReport, check_file, outcome_of
 from safepoint.destinations.base import Destination
 from safepoint.destinations.replica_commit import commit_replica, read_committed
 from safepoint.local.snapshot import LocalSnapshot
@@ -164,14 +164,3 @@ def _drop_superseded(dest: Destination, m: Manifest) -> bool:
              dest.snapshot_url(m.run, m.step), m.run, m.step)
     dest.delete_snapshot(m.run, m.step, [f.path for f in old.files])
     return True
-
-
-def verify_replica(dest: Destination, run: str, step: int, *, workers: int = 4) -> VerifyReport:
-    """Re-hash a replica against its own manifest (which must be bound by its marker)."""
-    try:
-        manifest = load_committed(*read_committed(dest, run, step))
-    except FormatError as e:
-        return VerifyReport(error=f"{dest.snapshot_url(run, step)}: {e}")
-    return verify_manifest(
-        manifest, lambda p: dest.size(run, step, p), lambda p: dest.digest(run, step, p), workers=workers
-    )

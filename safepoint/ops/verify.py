@@ -172,6 +172,16 @@ def verify_files(dest: Destination, run: str, step: int, files: Sequence[FileEnt
                            workers=workers)
 
 
+def verify_replica(dest: Destination, run: str, step: int, *, workers: int = 4) -> VerifyReport:
+    """Re-hash a whole replica against its own manifest (which its marker must bind), in this thread:
+    what reconcile and evict ask of one copy before they rely on it."""
+    try:
+        manifest = load_committed(*read_committed(dest, run, step))
+    except FormatError as e:
+        return VerifyReport(error=f"{dest.snapshot_url(run, step)}: {e}")
+    return verify_files(dest, run, step, manifest.files, workers=workers)
+
+
 def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
     """Hash a batch of a replica's files (runs wherever the runner puts it: here, a thread or a Dask worker)."""
     dest = open_destination(destination, config.storage_options(destination))
