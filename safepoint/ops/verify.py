@@ -62,19 +62,14 @@ class VerifyOutcome:
                 "batches": self.batches}
 
 
-def local_target(target: str) -> Path | None:
-    """The folder `target` names (a path or file:// URL), or None for a remote URL or a block."""
-    local = local_path(target)
-    return local.resolve() if local is not None else None
-
-
 def verify(catalog: Catalog | str | None, target: str, config: Config | None = None, *,
            runner: StepRunner = INLINE) -> VerifyOutcome:
     """Re-hash a replica URL or a local snapshot folder, record what was found (when the catalog knows
     the target) and return it. `catalog`: an open catalog, or its URL (None: the default), opened only
     when the target may be one it records."""
     config = config or Config()
-    local = local_target(target)
+    local = local_path(target)  # a path or file:// URL; None for a remote URL or a block
+    local = local.resolve() if local is not None else None
     if is_block_url(target):
         url = block_url(target)
     elif local is not None:
