@@ -28,7 +28,7 @@ from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
 from safepoint.destinations.replica_commit import read_committed
 from safepoint.ops.reconcile import repair as repair_checkpoints
-from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.runner import INLINE, StepRunner, all_or_raise
 from safepoint.ops.verify import bound_problem, merge_reports, verify, verify_batch
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.scrub import next_slice, parse_subset, select
@@ -102,14 +102,11 @@ def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str
         mine = batches(files, size, count)
         planned.append((target, len(files), list(range(len(calls), len(calls) + len(mine)))))
         calls += [(target.destination, target.run, target.step, b, config) for b in mine]
-    answers = runner.map("verify-batch", verify_batch, calls) if calls else []
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
+    answers = all_or_raise(runner.map("verify-batch", verify_batch, calls)) if calls else []
     rows: list[dict[str, Any]] = []
     damaged: set[int] = set()
     for target, n, slots in planned:
-        rep = merge_reports([answers[i] for i in slots])  # type: ignore[misc]
+        rep = merge_reports([answers[i] for i in slots])
         outcome = "ok"
         if rep.problems:
             # A slice found rot: verify the whole replica now, which records it and settles the checkpoint.

@@ -34,7 +34,7 @@ from safepoint.destinations import block_url, is_block_url, open_destination
 from safepoint.destinations.replica_commit import read_committed
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import CountingDestination, hook
-from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.runner import INLINE, StepRunner, all_or_raise
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.completeness import copy_problem
 from safepoint.rules.settle import replica_state
@@ -144,10 +144,7 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
 
 def _merged(answers: Sequence[VerifyReport | BaseException]) -> VerifyReport:
     """One report from the batches' (a batch that raised raises here: an infrastructure error, not a verdict)."""
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
-    return merge_reports(answers)  # type: ignore[arg-type]
+    return merge_reports(all_or_raise(answers))
 
 
 def merge_reports(reports: Sequence[VerifyReport]) -> VerifyReport:
