@@ -21,7 +21,7 @@ from typing import Any
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import FileEntry, load_committed
+from safepoint.core.format import FileEntry, digest_bytes, load_committed
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
@@ -73,7 +73,8 @@ def slice_plan(dest: Destination, target: Target, index: int, of: int, catalog: 
     except FormatError as e:
         return [], f"{target.url}: {e}"
     row = catalog.get_by_id(target.checkpoint_id) if catalog is not None else None
-    problem = bound_problem(catalog, row, manifest_bytes, marker) if catalog is not None and row else None
+    problem = (bound_problem(catalog, row, manifest, digest_bytes(manifest_bytes or b""))
+               if catalog is not None and row else None)
     if problem:
         return [], f"{target.url}: {problem}"
     return select(manifest, index, of), None

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MARKER_NAME, FileEntry, digest_bytes, load_committed
+from safepoint.core.format import MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
@@ -115,18 +115,12 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
         manifest_bytes, marker = read_committed(dest, run, step)
     finally:
         dest.close()
-    if marker is None:
-        report = VerifyReport(error=f"{snap_url}: no COMMITTED marker (replica missing or partial)")
-    elif problem := found and bound_problem(catalog, found[0], manifest_bytes, marker):
-        report = VerifyReport(error=f"{snap_url}: {problem}")
+    manifest, why = _bound(catalog, found, manifest_bytes, marker)
+    if manifest is None:
+        report = VerifyReport(error=f"{snap_url}: {why}")
     else:
-        try:
-            manifest = load_committed(manifest_bytes, marker)
-        except FormatError as e:
-            report = VerifyReport(error=f"{snap_url}: {e}")
-        else:
-            groups = batches(list(manifest.files), *batch_limits(fanout_settings(config)))
-            report = _merged(runner.map("verify-batch", verify_batch, [(base, run, step, g, config) for g in groups]))
+        groups = batches(list(manifest.files), *batch_limits(fanout_settings(config)))
+        report = _merged(runner.map("verify-batch", verify_batch, [(base, run, step, g, config) for g in groups]))
     if found:
         from safepoint.ops.steps import settle_copies  # the catalog's side: only with a catalog
 
@@ -140,6 +134,20 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
                             proof="read-back" if state is RS.VERIFIED else None)
         settle_copies(catalog, row.id)
     return VerifyOutcome(report, snap_url, len(groups))
+
+
+def _bound(catalog: Catalog, found: Any, manifest_bytes: bytes | None, marker: bytes | None
+           ) -> tuple[Manifest | None, str | None]:
+    """The manifest the replica's marker binds, when it is the checkpoint the catalog recorded (`found`:
+    the catalog's row and replica, or None); else (None, why not)."""
+    if marker is None:
+        return None, "no COMMITTED marker (replica missing or partial)"
+    try:
+        manifest = load_committed(manifest_bytes, marker)
+    except FormatError as e:
+        return None, str(e)
+    problem = found and bound_problem(catalog, found[0], manifest, digest_bytes(manifest_bytes or b""))
+    return (None, problem) if problem else (manifest, None)
 
 
 def _merged(answers: Sequence[VerifyReport | BaseException]) -> VerifyReport:
@@ -192,19 +200,11 @@ def verify_local_batch(root: str, files: list[FileEntry]) -> VerifyReport:
         return VerifyReport(error=str(e))
 
 
-def bound_problem(catalog: Catalog, row: CheckpointRow, manifest_bytes: bytes | None, marker: bytes | None
-                  ) -> str | None:
-    """Why the copy whose marker binds `manifest_bytes` is not `row` as the catalog recorded it, or None.
-
-    None too when the marker binds nothing valid: verifying the copy reports that itself.
-    """
-    try:
-        m = load_committed(manifest_bytes, marker)
-    except FormatError:
-        return None
-    assert manifest_bytes is not None
+def bound_problem(catalog: Catalog, row: CheckpointRow, m: Manifest, manifest_blake3: str) -> str | None:
+    """Why the copy whose marker binds `m` (a MANIFEST.json of digest `manifest_blake3`) is not `row`
+    as the catalog recorded it, or None."""
     legacy = row.world_size > 1 and not row.manifest_blake3  # assembled before the whole digest was recorded
-    return copy_problem(row.world_size, m.held_ranks, digest_bytes(manifest_bytes),
+    return copy_problem(row.world_size, m.held_ranks, manifest_blake3,
                         ((f.path, f.size, f.blake3) for f in m.files), recorded=row.manifest_blake3,
                         recorded_files=[(f.path, f.size, f.blake3) for f in catalog.files(row.id)] if legacy else None)
 
