@@ -18,7 +18,8 @@ from safepoint.core.states import CheckpointState, ReplicaState
 from safepoint.core.verify import FileStatus
 from safepoint.destinations import open_destination
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops.replicate import replicate, verify_replica
+from safepoint.ops.replicate import replicate
+from safepoint.ops.verify import verify_replica
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from safepoint.core.states import CheckpointState as C
 from safepoint.core.states import ReplicaState as R
 from safepoint.core.transitions import allowed as can_transition
 from safepoint.destinations import open_destination
-from safepoint.ops.replicate import verify_replica
+from safepoint.ops.verify import verify_replica
 from tests.helpers_catalog import durable, local_folder, seed
 
 pytestmark = pytest.mark.postgres

@@ -25,7 +25,8 @@ from safepoint.destinations.retry import RetryPolicy
 from safepoint.destinations.s3 import S3Destination
 from safepoint.destinations.s3_options import client_settings, parse_s3_url, plan_parts, split_options
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops.replicate import replicate, verify_replica
+from safepoint.ops.replicate import replicate
+from safepoint.ops.verify import verify_replica
 from tests.destinations_contract import *  # noqa: F403
 from tests.faultproxy import Fault
 from tests.helpers_ckpt import make_torch_save_ckpt

@@ -23,7 +23,7 @@ from safepoint.events.markers import (
     ingest_finished,
     trigger_parameters,
 )
-from safepoint.events.watch import ChangeWaiter, EmitWatcher
+from safepoint.events.watch import ChangeWaiter, Emit, Watcher
 from safepoint.local.snapshot import LocalSnapshot
 
 
@@ -208,7 +208,8 @@ def test_watcher_spools_committed_folders_only_once(tmp_path, sqlite_catalog):
     root.mkdir()
     gw = FakeGateway()
     d = Dispatcher(sqlite_catalog, Spool(tmp_path / "spool"), gw)
-    w = EmitWatcher(root, ["file:///d"], sqlite_catalog, d, "n0", timeouts_every=None, use_inotify=False)
+    w = Watcher(root, sqlite_catalog, Emit(sqlite_catalog, d, ["file:///d"], "n0"), timeouts_every=None,
+                use_inotify=False)
     (root / "r" / "partial").mkdir(parents=True)
     (root / "r" / "partial" / "w.bin").write_bytes(b"no marker")
     assert w.scan() == 0
@@ -217,7 +218,8 @@ def test_watcher_spools_committed_folders_only_once(tmp_path, sqlite_catalog):
     w.pass_once(now=time.time())
     assert gw.emitted == [Marker.of(snap, [], "n0").event_id]
     # A restarted watcher finds the spooled marker and does not emit a second event for it.
-    w2 = EmitWatcher(root, ["file:///d"], sqlite_catalog, d, "n0", timeouts_every=None, use_inotify=False)
+    w2 = Watcher(root, sqlite_catalog, Emit(sqlite_catalog, d, ["file:///d"], "n0"), timeouts_every=None,
+                 use_inotify=False)
     assert w2.scan() == 0
     # A bad marker is reported, not emitted.
     bad = root / "r" / "bad"

@@ -46,8 +46,7 @@ def assembled(tmp_path, catalog, durable: str, run: str, step: int) -> int:
 def record_deletes(mp: pytest.MonkeyPatch, durable: str, kill_before: int | None = None) -> list:
     """Every delete the destination's class is asked for, in order: a control file's name, or the
     set of data paths of one `delete_files` call; with `kill_before`, that call raises Killed."""
-    dest = open_destination(durable)
-    cls = type(getattr(dest, "inner", dest))  # the backend, under the retry layer
+    cls = type(open_destination(durable, retries=False))  # the backend the retry layer wraps
     calls: list = []
 
     def wrap(name: str, record):

@@ -134,8 +134,7 @@ def watch_here(args) -> int:
         return _ingest_exit(result)
 
     here = IngestHere(cat, ingest, describe=one_line)
-    timeouts_every = None if getattr(args, "no_timeouts", False) else getattr(args, "timeouts_every", 10.0)
-    Watcher(Path(args.root), cat, here, config=config, interval=args.interval, timeouts_every=timeouts_every,
-            use_inotify=not getattr(args, "poll_only", False),
+    Watcher(Path(args.root), cat, here, config=config, interval=args.interval,
+            timeouts_every=None if args.no_timeouts else args.timeouts_every, use_inotify=not args.poll_only,
             on_event=lambda text: err.print(text, markup=False, highlight=False)).run(once=args.once)
     return here.worst

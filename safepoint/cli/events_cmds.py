@@ -56,7 +56,7 @@ def cmd_watch(args) -> int:
     from safepoint.core.config import load_config
     from safepoint.core.naming import spool_dir, this_host
     from safepoint.events.markers import DEFAULT_DEPLOYMENT, Dispatcher, Policy, Spool
-    from safepoint.events.watch import EmitWatcher
+    from safepoint.events.watch import Emit, Watcher
     from safepoint.flows.deployments import api_url
     from safepoint.flows.gateway import PrefectGateway
 
@@ -72,9 +72,9 @@ def cmd_watch(args) -> int:
     from safepoint.local.credentials import hide_credentials
 
     to = [hide_credentials(u) or u for u in args.to]  # event payloads are stored by Prefect: credentials by reference
-    watcher = EmitWatcher(root, to, catalog, dispatcher, node, config=load_config(),
-                          interval=args.interval, timeouts_every=None if args.no_timeouts else args.timeouts_every,
-                          use_inotify=not args.poll_only, on_event=lambda text: err.print(text, markup=False))
+    watcher = Watcher(root, catalog, Emit(catalog, dispatcher, to, node), config=load_config(),
+                      interval=args.interval, timeouts_every=None if args.no_timeouts else args.timeouts_every,
+                      use_inotify=not args.poll_only, on_event=lambda text: err.print(text, markup=False))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

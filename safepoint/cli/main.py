@@ -188,9 +188,9 @@ def cmd_resume_point(args) -> int:
 
 def _local_total(target: str) -> int | None:
     """The bytes a local snapshot's manifest lists (for the bar's total); None for a URL or no manifest."""
-    from safepoint.ops.verify import local_target
+    from safepoint.core.urls import local_path
 
-    folder = local_target(target)
+    folder = local_path(target)
     if folder is None:
         return None
     from safepoint.local.snapshot import LocalSnapshot

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from safepoint.core.errors import UsageError
-from safepoint.core.naming import config_file, home  # noqa: F401 - home: its owner is naming
+from safepoint.core.naming import config_file
 
 
 @dataclass(frozen=True)

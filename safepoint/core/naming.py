@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, check_run, check_step, digest_bytes
+from safepoint.core.format import check_run, check_step, digest_bytes
 from safepoint.core.redact import redact_url
 
 
@@ -28,14 +28,6 @@ def snapshot_url(base: str, run: str, step: int) -> str:
 
 def file_url(base: str, run: str, step: int, relpath: str) -> str:
     return join(snapshot_url(base, run, step), relpath)
-
-
-def manifest_url(base: str, run: str, step: int) -> str:
-    return file_url(base, run, step, MANIFEST_NAME)
-
-
-def marker_url(base: str, run: str, step: int) -> str:
-    return file_url(base, run, step, MARKER_NAME)
 
 
 def parse_snapshot_url(url: str) -> tuple[str, str, int]:

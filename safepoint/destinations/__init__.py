@@ -43,13 +43,16 @@ def block_url(ref: str) -> str:
     return f"{BLOCK_SCHEME}://{name}" + (f"/{sub}" if sub else "")
 
 
-def open_destination(url: str, storage_options: dict[str, Any] | None = None) -> Destination:
-    """The destination at `url`, every call retried while it fails transiently."""
-    if is_block_url(url):
-        return _open_block(block_url(url), storage_options)
+def open_destination(url: str, storage_options: dict[str, Any] | None = None, *, retries: bool = True
+                     ) -> Destination:
+    """The destination at `url`, every call retried while it fails transiently (`retries=False`: the
+    bare backend, each call tried once)."""
+    backend = _open_block(block_url(url), storage_options) if is_block_url(url) else _backend(url, storage_options)
+    if not retries:
+        return backend
     from safepoint.destinations.retrying import RetryingDestination
 
-    return RetryingDestination(_backend(url, storage_options))
+    return RetryingDestination(backend)
 
 
 def _backend(url: str, storage_options: dict[str, Any] | None) -> Destination:
@@ -76,6 +79,4 @@ def _open_block(url: str, storage_options: dict[str, Any] | None) -> Destination
     plain, options = resolve(url)  # the bucket's configured options, the block's credentials over them
     backend = _backend(plain, {**options, **(storage_options or {})})
     backend.url = url  # its snapshot URLs name the block, as the catalog records them
-    from safepoint.destinations.retrying import RetryingDestination
-
-    return RetryingDestination(backend)
+    return backend

@@ -48,8 +48,8 @@ def _check_bucket(url: str, options: dict[str, Any] | None) -> None:
     from safepoint.destinations.retry import error_code, http_status
     from safepoint.destinations.s3 import S3Destination
 
-    dest = open_destination(url, options)  # a block: its own bucket, endpoint and keys
-    if not isinstance(getattr(dest, "inner", dest), S3Destination):  # under the retry layer
+    dest = open_destination(url, options, retries=False)  # a block: its own bucket, endpoint and keys
+    if not isinstance(dest, S3Destination):
         dest.close()
         return
     where = redact_url(url)

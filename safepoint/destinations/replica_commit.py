@@ -16,7 +16,7 @@ from __future__ import annotations
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME
 from safepoint.destinations.base import Destination
 
-__all__ = ["commit_replica"]
+__all__ = ["commit_replica", "read_committed"]
 
 
 def commit_replica(dest: Destination, run: str, step: int, manifest: bytes, marker: bytes) -> str | None:
@@ -34,3 +34,9 @@ def commit_replica(dest: Destination, run: str, step: int, manifest: bytes, mark
         if dest.read_control(run, step, MARKER_NAME) != marker:
             return "committed concurrently with a different manifest"
     return None
+
+
+def read_committed(dest: Destination, run: str, step: int) -> tuple[bytes | None, bytes | None]:
+    """The replica's (MANIFEST.json, COMMITTED) bytes, None for one that is absent (`load_committed`
+    holds the marker to the manifest it binds)."""
+    return dest.read_control(run, step, MANIFEST_NAME), dest.read_control(run, step, MARKER_NAME)

@@ -263,14 +263,3 @@ class Emit:
 
     def busy(self) -> bool:
         return bool(self.dispatcher.spool.all())
-
-
-class EmitWatcher(Watcher):
-    """`safepoint watch ROOT --emit`: the watch loop with the `Emit` sink."""
-
-    def __init__(self, root: Path, to: list[str], catalog: Catalog, dispatcher: Dispatcher, node: str, *,
-                 config: Config | None = None, interval: float = 2.0, timeouts_every: float | None = 10.0,
-                 use_inotify: bool = True, on_event: Say | None = None):
-        super().__init__(root, catalog, Emit(catalog, dispatcher, to, node), config=config, interval=interval,
-                         timeouts_every=timeouts_every, use_inotify=use_inotify, on_event=on_event)
-        self.dispatcher, self.node = dispatcher, node

@@ -176,10 +176,9 @@ def apply_timeouts(catalog: Catalog, config: Config | None = None, *, now: datet
     now = now or _now()
     timeout = timeout_of(config)
     actions: list[TimeoutAction] = []
-    for view in catalog.list_checkpoints(run, states=IN_FLIGHT):
-        if view.world_size <= 1:
+    for row in catalog.list_checkpoints(run, states=IN_FLIGHT):  # the listing holds what is used: no query per row
+        if row.world_size <= 1:
             continue
-        row = catalog.get_by_id(view.id)
         got = delivered(catalog, row.id)
         a = assess(row.world_size, got, now, timeout)
         if a.status is Completeness.INCOMPLETE:

@@ -32,7 +32,7 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.local.safe_delete import remove_snapshot_folder
-from safepoint.ops.replicate import verify_replica
+from safepoint.ops.verify import verify_replica
 from safepoint.rules.eviction import EVICTABLE, EvictionPlan, Usage, plan_eviction
 
 log = logging.getLogger("safepoint.ops.evict")

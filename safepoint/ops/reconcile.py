@@ -37,14 +37,15 @@ from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination, SnapshotListing
+from safepoint.destinations.replica_commit import read_committed
 from safepoint.local.safe_delete import open_dir, unlink_files
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.good_copy import good_source, verified_copy
 from safepoint.ops.leases import try_once
 from safepoint.ops.reconcile_report import ReconcileReport, Step
-from safepoint.ops.replicate import verify_replica
 from safepoint.ops.steps import replicate_to, settle_copies, walk
 from safepoint.ops.validation import validate_checkpoint
+from safepoint.ops.verify import verify_replica
 from safepoint.rules.reconcile import (
     IN_FLIGHT,
     REPAIRABLE,
@@ -73,8 +74,8 @@ def _observe(dest: Destination, loc: SnapshotListing, now: float) -> tuple[Remot
     if MARKER_NAME not in objects:
         return observe(objects, loc.folder_mtime, now), None
     try:
-        manifest_bytes = dest.read_control(loc.run, loc.step, MANIFEST_NAME)
-        manifest = load_committed(manifest_bytes, dest.read_control(loc.run, loc.step, MARKER_NAME))
+        manifest_bytes, marker = read_committed(dest, loc.run, loc.step)
+        manifest = load_committed(manifest_bytes, marker)
     except FormatError:
         return observe(objects, loc.folder_mtime, now, broken=True), None
     return observe(objects, loc.folder_mtime, now, manifest_files=manifest.files,

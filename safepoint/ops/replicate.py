@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from safepoint.core.errors import FormatError
 from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
 from safepoint.core.states import CheckpointState, ReplicaState
-from safepoint.core.verify import FileStatus, VerifyReport, check_file, outcome_of, verify_manifest
+from safepoint.core.verify import FileStatus, VerifyReport, check_file, outcome_of
 from safepoint.destinations.base import Destination
-from safepoint.destinations.replica_commit import commit_replica
+from safepoint.destinations.replica_commit import commit_replica, read_committed
 from safepoint.local.snapshot import LocalSnapshot
 
 log = logging.getLogger(__name__)
@@ -154,27 +154,13 @@ def _drop_superseded(dest: Destination, m: Manifest) -> bool:
     if not isinstance(supersedes, str):
         return False
     try:
-        old = load_committed(dest.read_control(m.run, m.step, MANIFEST_NAME),
-                             dest.read_control(m.run, m.step, MARKER_NAME))
-        old_digest = digest_bytes(dest.read_control(m.run, m.step, MANIFEST_NAME) or b"")
+        manifest_bytes, marker = read_committed(dest, m.run, m.step)
+        old = load_committed(manifest_bytes, marker)
     except FormatError:
         return False
-    if old_digest != supersedes:
+    if digest_bytes(manifest_bytes or b"") != supersedes:
         return False
     log.info("%s: replacing the superseded version of %s/%s (re-saved and sealed again)",
              dest.snapshot_url(m.run, m.step), m.run, m.step)
     dest.delete_snapshot(m.run, m.step, [f.path for f in old.files])
     return True
-
-
-def verify_replica(dest: Destination, run: str, step: int, *, workers: int = 4) -> VerifyReport:
-    """Re-hash a replica against its own manifest (which must be bound by its marker)."""
-    try:
-        manifest = load_committed(
-            dest.read_control(run, step, MANIFEST_NAME), dest.read_control(run, step, MARKER_NAME)
-        )
-    except FormatError as e:
-        return VerifyReport(error=f"{dest.snapshot_url(run, step)}: {e}")
-    return verify_manifest(
-        manifest, lambda p: dest.size(run, step, p), lambda p: dest.digest(run, step, p), workers=workers
-    )

@@ -17,7 +17,7 @@ from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config
 from safepoint.core.errors import UsageError
 from safepoint.ops import evict, prune
-from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.runner import INLINE, StepRunner, all_or_raise
 from safepoint.rules.retention import SPEC_KEYS, policy_from_spec
 
 
@@ -83,10 +83,7 @@ def prune_runs(catalog: Catalog, config: Config, runs: list[str], *, override: M
         policy_from_spec(spec)  # a bad policy is refused before any run is pruned
     answers = runner.map("prune-run", prune_run, [(catalog, run, spec, min_replicas, dry_run, now, config)
                                                   for run, spec in specs.items() if spec])
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
-    return answers, skipped  # type: ignore[return-value]
+    return all_or_raise(answers), skipped
 
 
 def retention_pass(catalog: Catalog, config: Config, *, runs: list[str] | None = None,

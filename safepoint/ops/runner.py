@@ -40,3 +40,12 @@ class Inline:
 
 
 INLINE = Inline()
+
+
+def all_or_raise(answers: Sequence[T | BaseException]) -> list[T]:
+    """A map's answers, or the first failure among them raised: for steps whose failure is an
+    infrastructure error, not a verdict."""
+    for a in answers:
+        if isinstance(a, BaseException):
+            raise a
+    return list(answers)  # type: ignore[arg-type]

@@ -21,13 +21,14 @@ from typing import Any
 from safepoint.catalog.store import Catalog
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, load_committed
+from safepoint.core.format import FileEntry, digest_bytes, load_committed
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.destinations.base import Destination
+from safepoint.destinations.replica_commit import read_committed
 from safepoint.ops.reconcile import repair as repair_checkpoints
-from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.runner import INLINE, StepRunner, all_or_raise
 from safepoint.ops.verify import bound_problem, merge_reports, verify, verify_batch
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.scrub import next_slice, parse_subset, select
@@ -66,13 +67,14 @@ def slice_plan(dest: Destination, target: Target, index: int, of: int, catalog: 
                ) -> tuple[list[FileEntry], str | None]:
     """The files of the slice for one replica, or an error when its control files are unusable or (with
     `catalog`) bind another manifest than the checkpoint the catalog recorded (stale, forged, a rank short)."""
-    manifest_bytes, marker = (dest.read_control(target.run, target.step, n) for n in (MANIFEST_NAME, MARKER_NAME))
+    manifest_bytes, marker = read_committed(dest, target.run, target.step)
     try:
         manifest = load_committed(manifest_bytes, marker)
     except FormatError as e:
         return [], f"{target.url}: {e}"
     row = catalog.get_by_id(target.checkpoint_id) if catalog is not None else None
-    problem = bound_problem(catalog, row, manifest_bytes, marker) if catalog is not None and row else None
+    problem = (bound_problem(catalog, row, manifest, digest_bytes(manifest_bytes or b""))
+               if catalog is not None and row else None)
     if problem:
         return [], f"{target.url}: {problem}"
     return select(manifest, index, of), None
@@ -101,14 +103,11 @@ def scrub_pass(catalog: Catalog, config: Config, *, subset: str = "16", run: str
         mine = batches(files, size, count)
         planned.append((target, len(files), list(range(len(calls), len(calls) + len(mine)))))
         calls += [(target.destination, target.run, target.step, b, config) for b in mine]
-    answers = runner.map("verify-batch", verify_batch, calls) if calls else []
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
+    answers = all_or_raise(runner.map("verify-batch", verify_batch, calls)) if calls else []
     rows: list[dict[str, Any]] = []
     damaged: set[int] = set()
     for target, n, slots in planned:
-        rep = merge_reports([answers[i] for i in slots])  # type: ignore[misc]
+        rep = merge_reports([answers[i] for i in slots])
         outcome = "ok"
         if rep.problems:
             # A slice found rot: verify the whole replica now, which records it and settles the checkpoint.

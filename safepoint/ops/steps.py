@@ -158,15 +158,6 @@ def settle(catalog: Catalog, checkpoint_id: int, results: list[ReplicaResult]) -
     return s.state
 
 
-def replicate_or_fail(catalog: Catalog, checkpoint_id: int, snap: LocalSnapshot, url: str,
-                      config: Config) -> ReplicaResult:
-    """replicate_to, with an I/O failure as a failed result (already recorded) instead of an exception."""
-    try:
-        return replicate_to(catalog, checkpoint_id, snap, url, config)
-    except (OSError, SafepointError) as e:
-        return failed_result(url, e)
-
-
 def failed_result(url: str, e: BaseException) -> ReplicaResult:
     return ReplicaResult(url=url, destination=redact_url(url), state=RS.FAILED,
                          error=f"{redact_url(url)}: {_why(e)}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from safepoint.core.config import Config, fanout_settings
 from safepoint.core.errors import FormatError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, FileEntry, digest_bytes, load_committed
+from safepoint.core.format import MARKER_NAME, FileEntry, Manifest, digest_bytes, load_committed
 from safepoint.core.naming import parse_snapshot_url
 from safepoint.core.redact import redact
 from safepoint.core.states import CheckpointState as CS
@@ -31,9 +31,10 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.core.urls import local_path, path_url
 from safepoint.core.verify import VerifyReport, verify_manifest
 from safepoint.destinations import block_url, is_block_url, open_destination
+from safepoint.destinations.replica_commit import read_committed
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.progress import CountingDestination, hook
-from safepoint.ops.runner import INLINE, StepRunner
+from safepoint.ops.runner import INLINE, StepRunner, all_or_raise
 from safepoint.rules.batching import batch_limits, batches
 from safepoint.rules.completeness import copy_problem
 from safepoint.rules.settle import replica_state
@@ -61,19 +62,14 @@ class VerifyOutcome:
                 "batches": self.batches}
 
 
-def local_target(target: str) -> Path | None:
-    """The folder `target` names (a path or file:// URL), or None for a remote URL or a block."""
-    local = local_path(target)
-    return local.resolve() if local is not None else None
-
-
 def verify(catalog: Catalog | str | None, target: str, config: Config | None = None, *,
            runner: StepRunner = INLINE) -> VerifyOutcome:
     """Re-hash a replica URL or a local snapshot folder, record what was found (when the catalog knows
     the target) and return it. `catalog`: an open catalog, or its URL (None: the default), opened only
     when the target may be one it records."""
     config = config or Config()
-    local = local_target(target)
+    local = local_path(target)  # a path or file:// URL; None for a remote URL or a block
+    local = local.resolve() if local is not None else None
     if is_block_url(target):
         url = block_url(target)
     elif local is not None:
@@ -116,21 +112,15 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
     groups: list[list[FileEntry]] = []
     try:
         snap_url, dest_url = dest.snapshot_url(run, step), dest.url
-        manifest_bytes, marker = _control(dest, run, step)
+        manifest_bytes, marker = read_committed(dest, run, step)
     finally:
         dest.close()
-    if marker is None:
-        report = VerifyReport(error=f"{snap_url}: no COMMITTED marker (replica missing or partial)")
-    elif problem := found and bound_problem(catalog, found[0], manifest_bytes, marker):
-        report = VerifyReport(error=f"{snap_url}: {problem}")
+    manifest, why = _bound(catalog, found, manifest_bytes, marker)
+    if manifest is None:
+        report = VerifyReport(error=f"{snap_url}: {why}")
     else:
-        try:
-            manifest = load_committed(manifest_bytes, marker)
-        except FormatError as e:
-            report = VerifyReport(error=f"{snap_url}: {e}")
-        else:
-            groups = batches(list(manifest.files), *batch_limits(fanout_settings(config)))
-            report = _merged(runner.map("verify-batch", verify_batch, [(base, run, step, g, config) for g in groups]))
+        groups = batches(list(manifest.files), *batch_limits(fanout_settings(config)))
+        report = _merged(runner.map("verify-batch", verify_batch, [(base, run, step, g, config) for g in groups]))
     if found:
         from safepoint.ops.steps import settle_copies  # the catalog's side: only with a catalog
 
@@ -146,16 +136,23 @@ def _verify_replica(catalog: Catalog, url: str, found: Any, config: Config, runn
     return VerifyOutcome(report, snap_url, len(groups))
 
 
-def _control(dest: Destination, run: str, step: int) -> tuple[bytes | None, bytes | None]:
-    return dest.read_control(run, step, MANIFEST_NAME), dest.read_control(run, step, MARKER_NAME)
+def _bound(catalog: Catalog, found: Any, manifest_bytes: bytes | None, marker: bytes | None
+           ) -> tuple[Manifest | None, str | None]:
+    """The manifest the replica's marker binds, when it is the checkpoint the catalog recorded (`found`:
+    the catalog's row and replica, or None); else (None, why not)."""
+    if marker is None:
+        return None, "no COMMITTED marker (replica missing or partial)"
+    try:
+        manifest = load_committed(manifest_bytes, marker)
+    except FormatError as e:
+        return None, str(e)
+    problem = found and bound_problem(catalog, found[0], manifest, digest_bytes(manifest_bytes or b""))
+    return (None, problem) if problem else (manifest, None)
 
 
 def _merged(answers: Sequence[VerifyReport | BaseException]) -> VerifyReport:
     """One report from the batches' (a batch that raised raises here: an infrastructure error, not a verdict)."""
-    for a in answers:
-        if isinstance(a, BaseException):
-            raise a
-    return merge_reports(answers)  # type: ignore[arg-type]
+    return merge_reports(all_or_raise(answers))
 
 
 def merge_reports(reports: Sequence[VerifyReport]) -> VerifyReport:
@@ -173,6 +170,16 @@ def verify_files(dest: Destination, run: str, step: int, files: Sequence[FileEnt
     """Hash some files of a replica against their manifest entries (a batch of a verify or a scrub)."""
     return verify_manifest(files, lambda p: dest.size(run, step, p), lambda p: dest.digest(run, step, p),
                            workers=workers)
+
+
+def verify_replica(dest: Destination, run: str, step: int, *, workers: int = 4) -> VerifyReport:
+    """Re-hash a whole replica against its own manifest (which its marker must bind), in this thread:
+    what reconcile and evict ask of one copy before they rely on it."""
+    try:
+        manifest = load_committed(*read_committed(dest, run, step))
+    except FormatError as e:
+        return VerifyReport(error=f"{dest.snapshot_url(run, step)}: {e}")
+    return verify_files(dest, run, step, manifest.files, workers=workers)
 
 
 def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], config: Config) -> VerifyReport:
@@ -193,19 +200,11 @@ def verify_local_batch(root: str, files: list[FileEntry]) -> VerifyReport:
         return VerifyReport(error=str(e))
 
 
-def bound_problem(catalog: Catalog, row: CheckpointRow, manifest_bytes: bytes | None, marker: bytes | None
-                  ) -> str | None:
-    """Why the copy whose marker binds `manifest_bytes` is not `row` as the catalog recorded it, or None.
-
-    None too when the marker binds nothing valid: verifying the copy reports that itself.
-    """
-    try:
-        m = load_committed(manifest_bytes, marker)
-    except FormatError:
-        return None
-    assert manifest_bytes is not None
+def bound_problem(catalog: Catalog, row: CheckpointRow, m: Manifest, manifest_blake3: str) -> str | None:
+    """Why the copy whose marker binds `m` (a MANIFEST.json of digest `manifest_blake3`) is not `row`
+    as the catalog recorded it, or None."""
     legacy = row.world_size > 1 and not row.manifest_blake3  # assembled before the whole digest was recorded
-    return copy_problem(row.world_size, m.held_ranks, digest_bytes(manifest_bytes),
+    return copy_problem(row.world_size, m.held_ranks, manifest_blake3,
                         ((f.path, f.size, f.blake3) for f in m.files), recorded=row.manifest_blake3,
                         recorded_files=[(f.path, f.size, f.blake3) for f in catalog.files(row.id)] if legacy else None)
 

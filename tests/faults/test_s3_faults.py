@@ -80,7 +80,7 @@ def _pending_uploads(s3_env, sub: str) -> list:
 
 def _direct_verify(s3_env, sub: str):
     from safepoint.destinations import open_destination
-    from safepoint.ops.replicate import verify_replica
+    from safepoint.ops.verify import verify_replica
 
     dest = open_destination(s3_env.url(sub), TUNING)
     try:
