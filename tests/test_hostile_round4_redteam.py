@@ -1,0 +1,51 @@
+"""Hostile inputs, round four, found by the red-team pass after the fixes (issue 37).
+
+`safepoint verify DIR` cuts a local folder's manifest into batches of 256 files and each batch
+re-opens the folder, parsing the whole manifest again (safepoint/ops/verify.py verify_local_batch):
+N entries cost N/256 full parses, quadratic in the entry count. A manifest inside every bound
+(300,000 one-segment paths, 31 MB of the 64 MiB allowed) then did not finish in 120 s, and 20,000
+entries took 35 s. The guard counts parses, not seconds, so it does not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import safepoint.cli.main as cli
+import safepoint.local.snapshot as snapshot
+from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, digest_bytes
+
+EMPTY_BLAKE3 = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+
+
+def _plant(folder: Path, entries: int) -> None:
+    """A committed folder whose manifest names `entries` empty files, none of them present."""
+    folder.mkdir(parents=True)
+    files = [{"path": f"f{i}", "size": 0, "blake3": EMPTY_BLAKE3} for i in range(entries)]
+    manifest = json.dumps({"format": "safepoint.manifest", "format_version": 1, "run": "r", "step": 1,
+                           "created": "2026-12-04T00:00:00.000000Z", "hash": "blake3", "files": files,
+                           "meta": {}}).encode()
+    (folder / MANIFEST_NAME).write_bytes(manifest)
+    (folder / MARKER_NAME).write_text(json.dumps({"format": "safepoint.marker", "format_version": 1,
+                                                  "manifest_blake3": digest_bytes(manifest), "run": "r",
+                                                  "step": 1}))
+
+
+@pytest.mark.xfail(strict=True, reason="red team: each verify batch re-parses the whole manifest (quadratic)")
+def test_local_verify_parses_the_manifest_a_bounded_number_of_times(tmp_path: Path, monkeypatch) -> None:
+    folder = tmp_path / "snap"
+    _plant(folder, 256 * 8)
+    monkeypatch.setenv("SAFEPOINT_HOME", str(tmp_path / "home"))
+    parses: list[int] = []
+    real = snapshot.load_committed
+
+    def counted(*args, **kwargs):
+        parses.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot, "load_committed", counted)
+    assert cli.main(["verify", str(folder)]) == 1  # every file missing: a verdict
+    assert len(parses) <= 2, f"{len(parses)} full parses of one manifest for 8 batches"
