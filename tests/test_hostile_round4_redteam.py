@@ -49,3 +49,38 @@ def test_local_verify_parses_the_manifest_a_bounded_number_of_times(tmp_path: Pa
     monkeypatch.setattr(snapshot, "load_committed", counted)
     assert cli.main(["verify", str(folder)]) == 1  # every file missing: a verdict
     assert len(parses) <= 2, f"{len(parses)} full parses of one manifest for 8 batches"
+
+
+@pytest.mark.xfail(strict=True, reason="red team: a state file is judged by its own `home`, not the one in use")
+def test_server_stop_leaves_the_keeper_of_another_home_running(tmp_path: Path) -> None:
+    """A state file copied from home A into home B (`cp -a ~/.prefect ...`) names A's live keeper.
+
+    It passes every identity check (pid, start time, host, boot id, and a command line naming the
+    keeper module and A's home), so `server stop` under B stopped A's server and `status` reported it.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from safepoint.flows import local_server
+
+    home_a, home_b = tmp_path / "a", tmp_path / "b"
+    home_a.mkdir()
+    home_b.mkdir()
+    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m",
+                               local_server.KEEPER_MODULE, str(home_a)], start_new_session=True)
+    try:
+        state = local_server.state_of(keeper.pid, 9, home_a)
+        (home_b / local_server.STATE_NAME).write_text(json.dumps(asdict(state)))
+        env = {**os.environ, "PREFECT_HOME": str(home_b), "SAFEPOINT_HOME": str(tmp_path / "sp"),
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        subprocess.run([sys.executable, "-m", "safepoint.cli", "server", "stop"], env=env, timeout=120,
+                       capture_output=True)
+        assert keeper.poll() is None, "server stop under home B signalled the keeper of home A"
+    finally:
+        if keeper.poll() is None:
+            os.killpg(keeper.pid, signal.SIGKILL)
+        keeper.wait()
