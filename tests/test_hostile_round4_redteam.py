@@ -101,3 +101,40 @@ def test_a_secret_query_in_an_s3_url_never_reaches_the_error_line(tmp_path: Path
                           env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 2
     assert "HUSH42" not in done.stdout + done.stderr
+
+
+def _cli(tmp_path: Path, *args: str, **extra: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SAFEPOINT_HOME": str(tmp_path / "sp"), "PREFECT_HOME": str(tmp_path / "pf"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("SAFEPOINT_CATALOG_URL", None)
+    return subprocess.run([sys.executable, "-m", "safepoint.cli", *args], env=env, timeout=120,
+                          capture_output=True, text=True, cwd=tmp_path)
+
+
+@pytest.mark.xfail(strict=True, reason="red team: set_aside cannot replace a .stale directory")
+def test_a_stale_file_is_set_aside_even_when_a_stale_directory_is_in_the_way(tmp_path: Path) -> None:
+    """A state file that was a directory is set aside as `safepoint-server.json.stale/`; the next
+    stale file then cannot be renamed over it, and every `ingest` and `server stop` failed with
+    `IsADirectoryError` (exit 2) until someone removed it by hand."""
+    from safepoint.flows import local_server
+
+    home = tmp_path / "pf"
+    (home / (local_server.STATE_NAME + local_server.STALE_SUFFIX) / "x").mkdir(parents=True)
+    (home / local_server.STATE_NAME).write_text('{"pid": 1, "port": 9}')
+    done = _cli(tmp_path, "server", "stop")
+    assert done.returncode == 0, done.stderr
+    assert not (home / local_server.STATE_NAME).exists()
+
+
+@pytest.mark.xfail(strict=True, reason="red team: a read command creates a mistyped sqlite catalog")
+@pytest.mark.parametrize("command", [["resume-point", "--run", "r"], ["show", "r", "1"], ["lineage", "r", "1"]])
+def test_a_read_command_creates_no_catalog_at_a_mistyped_path(tmp_path: Path, command: list[str]) -> None:
+    """`ls` says "no catalog at ... yet" and creates nothing; `resume-point`, `show` and `lineage`
+    created the missing folders and an empty database, then answered exit 1 (a verdict) from it."""
+    done = _cli(tmp_path, "--catalog", "sqlite:///typo/dir/cat.db", *command)
+    assert not (tmp_path / "typo").exists(), done.stderr
