@@ -138,3 +138,30 @@ def test_a_read_command_creates_no_catalog_at_a_mistyped_path(tmp_path: Path, co
     created the missing folders and an empty database, then answered exit 1 (a verdict) from it."""
     done = _cli(tmp_path, "--catalog", "sqlite:///typo/dir/cat.db", *command)
     assert not (tmp_path / "typo").exists(), done.stderr
+
+
+def _plant_one(folder: Path, raw_manifest: bytes) -> None:
+    folder.mkdir(parents=True)
+    (folder / MANIFEST_NAME).write_bytes(raw_manifest)
+    (folder / MARKER_NAME).write_text(json.dumps({"format": "safepoint.marker", "format_version": 1,
+                                                  "manifest_blake3": digest_bytes(raw_manifest), "run": "r",
+                                                  "step": 1}))
+
+
+def _one_entry(path: str, size: str = "0") -> bytes:
+    entry = f'{{"path": {json.dumps(path)}, "size": {size}, "blake3": "{EMPTY_BLAKE3}"}}'
+    return (f'{{"format": "safepoint.manifest", "format_version": 1, "run": "r", "step": 1, "created": '
+            f'"2026-12-04T00:00:00.000000Z", "hash": "blake3", "files": [{entry}], "meta": {{}}}}').encode()
+
+
+@pytest.mark.xfail(strict=True, reason="red team: a manifest within bounds gets exit 2, not a verdict")
+@pytest.mark.parametrize("manifest", [
+    _one_entry("/".join(["a" * 255] * 16)[:4096]),  # 4096 bytes: inside the bound, over PATH_MAX once joined
+    _one_entry("f", size="9" * 5000),  # over Python's 4300-digit int limit
+], ids=["path-4096-bytes", "size-5000-digits"])
+def test_a_hostile_manifest_is_a_verdict_not_an_infrastructure_error(tmp_path: Path, manifest: bytes) -> None:
+    """`safepoint verify DIR` answered exit 2 (`OSError: [Errno 36] File name too long`, or
+    `ValueError: Exceeds the limit (4300 digits) ...`): these manifests are corrupt copies (exit 1)."""
+    _plant_one(tmp_path / "snap", manifest)
+    done = _cli(tmp_path, "verify", str(tmp_path / "snap"))
+    assert done.returncode == 1, done.stdout + done.stderr
