@@ -34,7 +34,6 @@ def _plant(folder: Path, entries: int) -> None:
                                                   "step": 1}))
 
 
-@pytest.mark.xfail(strict=True, reason="red team: each verify batch re-parses the whole manifest (quadratic)")
 def test_local_verify_parses_the_manifest_a_bounded_number_of_times(tmp_path: Path, monkeypatch) -> None:
     folder = tmp_path / "snap"
     _plant(folder, 256 * 8)

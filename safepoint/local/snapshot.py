@@ -18,6 +18,7 @@ from safepoint.core.format import (
     FileEntry,
     Manifest,
     load_committed,
+    parse_marker,
     safe_relpath,
 )
 from safepoint.core.hashing import hash_path
@@ -76,6 +77,17 @@ class LocalSnapshot:
         manifest_bytes = read_small(root / MANIFEST_NAME)
         manifest = load_committed(manifest_bytes, marker)
         return cls(root, manifest, manifest_bytes, marker)  # type: ignore[arg-type]
+
+    @classmethod
+    def rebind(cls, folder: str | os.PathLike, marker: bytes, files: Sequence[FileEntry]) -> LocalSnapshot:
+        """The folder a caller opened, still committed by the same `marker` (which binds its manifest),
+        holding `files` of it: checked by re-reading the marker alone, never by parsing the manifest
+        again (a batch of a large verify would otherwise parse it once per batch: quadratic)."""
+        root = Path(folder).resolve()
+        if read_small(root / MARKER_NAME) != marker:
+            raise FormatError(f"{folder}: its COMMITTED marker changed or went away while it was verified")
+        m = parse_marker(marker)
+        return cls(root, Manifest(m.run, m.step, tuple(files)), b"", marker)
 
     def path_of(self, relpath: str) -> Path:
         return resolve_inside(self.root, relpath)

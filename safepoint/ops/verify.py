@@ -99,7 +99,8 @@ def _verify_local(catalog: Catalog | None, local: Path, config: Config, runner: 
         report, groups = VerifyReport(error=str(e)), []
     else:
         groups = batches(list(snap.manifest.files), *batch_limits(fanout_settings(config)))
-        report = _merged(runner.map("verify-local-batch", verify_local_batch, [(str(local), g) for g in groups]))
+        report = _merged(runner.map("verify-local-batch", verify_local_batch,
+                                    [(str(local), g, snap.marker_bytes) for g in groups]))
     row = catalog.find_by_local_path(str(local)) if catalog is not None else None
     if row is not None:
         _record_local_verify(catalog, row, report)  # type: ignore[arg-type]
@@ -192,10 +193,10 @@ def verify_batch(destination: str, run: str, step: int, files: list[FileEntry], 
         dest.close()
 
 
-def verify_local_batch(root: str, files: list[FileEntry]) -> VerifyReport:
-    """Hash a batch of a local snapshot folder's files (still committed: its marker binds its manifest)."""
+def verify_local_batch(root: str, files: list[FileEntry], marker: bytes) -> VerifyReport:
+    """Hash a batch of a local snapshot folder's files (still committed by `marker`, which binds its manifest)."""
     try:
-        return LocalSnapshot.open(root).verify(progress=hook(), files=files)
+        return LocalSnapshot.rebind(root, marker, files).verify(progress=hook(), files=files)
     except FormatError as e:
         return VerifyReport(error=str(e))
 
