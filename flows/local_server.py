@@ -184,11 +184,14 @@ def stale_reason(state: ServerState | None, here: ProcessId, now: ProcessId | No
     return None
 
 
-def judge(state: ServerState | None) -> str | None:
-    """stale_reason for `state` against this host's processes now."""
+def judge(state: ServerState | None, home: Path | None = None) -> str | None:
+    """stale_reason for `state` against this host's processes now; with `home`, a file found there that
+    names another PREFECT_HOME's keeper (a copied home) is stale too: never that keeper's to stop."""
     here = processes.identify() or ProcessId(os.getpid(), "", "", "")
     if state is None:
         return stale_reason(None, here, None, False, [])
+    if home is not None and os.path.realpath(state.home) != os.path.realpath(home):
+        return f"it names the server of PREFECT_HOME {state.home}, not of {home} (a copied home?)"
     now = processes.identify(state.pid)
     return stale_reason(state, here, now, now is not None and processes.alive(now), processes.cmdline(state.pid))
 
@@ -202,6 +205,8 @@ def set_aside(home: Path, reason: str) -> Path | None:
     """Rename a stale state file out of the way (one line on stderr): never trusted, never signalled, kept to read."""
     path = home / STATE_NAME
     aside = path.with_name(STATE_NAME + STALE_SUFFIX)
+    if aside.is_dir() and not aside.is_symlink():  # an earlier stale entry that was a folder: keep it, beside
+        aside = path.with_name(f"{STATE_NAME}{STALE_SUFFIX}.{os.getpid()}.{time.time_ns()}")
     try:
         path.replace(aside)
     except FileNotFoundError:
@@ -215,7 +220,7 @@ def current(home: Path) -> ServerState | None:
     if not (home / STATE_NAME).exists():
         return None
     state = read_state(home)
-    reason = judge(state)
+    reason = judge(state, home)
     if reason is None:
         return state
     set_aside(home, reason)
@@ -333,7 +338,7 @@ def stop_server(home: Path, grace_s: float = 30.0) -> ServerState | None:
     if not (home / STATE_NAME).exists():
         return None
     state = read_state(home)
-    reason = judge(state)
+    reason = judge(state, home)
     if reason is not None:
         port = _recorded_port(home)
         set_aside(home, reason)

@@ -50,7 +50,6 @@ def test_local_verify_parses_the_manifest_a_bounded_number_of_times(tmp_path: Pa
     assert len(parses) <= 2, f"{len(parses)} full parses of one manifest for 8 batches"
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a state file is judged by its own `home`, not the one in use")
 def test_server_stop_leaves_the_keeper_of_another_home_running(tmp_path: Path) -> None:
     """A state file copied from home A into home B (`cp -a ~/.prefect ...`) names A's live keeper.
 
@@ -115,7 +114,6 @@ def _cli(tmp_path: Path, *args: str, **extra: str):
                           capture_output=True, text=True, cwd=tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="red team: set_aside cannot replace a .stale directory")
 def test_a_stale_file_is_set_aside_even_when_a_stale_directory_is_in_the_way(tmp_path: Path) -> None:
     """A state file that was a directory is set aside as `safepoint-server.json.stale/`; the next
     stale file then cannot be renamed over it, and every `ingest` and `server stop` failed with
