@@ -55,8 +55,25 @@ def open_destination(url: str, storage_options: dict[str, Any] | None = None, *,
     return RetryingDestination(backend)
 
 
-def _backend(url: str, storage_options: dict[str, Any] | None) -> Destination:
+#: schemes whose URLs name a place by path alone: a `?` or `#` there is no part of any key or folder
+PATH_ONLY = LOCAL_SCHEMES | {"s3", "s3a"}
+
+
+def check_path_only(url: str) -> str:
+    """`url`'s scheme; a UsageError when a file:// or s3:// URL has a query or fragment, which would
+    otherwise become part of a key or folder name (`p?password=...`: a secret in the catalog, on
+    disk and in errors)."""
     scheme = scheme_of(url)
+    if scheme in PATH_ONLY and "://" in url and ("?" in url or "#" in url):
+        from safepoint.core.redact import redact_url
+
+        raise UsageError(f"a {scheme}:// destination takes no query or fragment: {redact_url(url)} "
+                         "(options and credentials go in the storage config or the URL's userinfo)")
+    return scheme
+
+
+def _backend(url: str, storage_options: dict[str, Any] | None) -> Destination:
+    scheme = check_path_only(url)
     if scheme in LOCAL_SCHEMES:
         from safepoint.destinations.local import LocalDestination
 

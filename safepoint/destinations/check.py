@@ -26,8 +26,10 @@ SUPPORTED_SCHEMES = frozenset({"file", "local", "s3", "s3a", "memory", "gs", "gc
 def check_destinations(urls: Iterable[str], storage_options: Any = None) -> None:
     """Raise for the first destination that cannot be used; `storage_options(url)` gives each one's options."""
     urls = list(urls)
+    from safepoint.destinations import check_path_only
+
     for url in urls:  # every scheme first: no network call before a typo is reported
-        scheme = scheme_of(url)
+        scheme = check_path_only(url)
         if scheme not in SUPPORTED_SCHEMES:
             raise UsageError(f"{redact_url(url)}: unsupported destination scheme {scheme!r}; use file://, s3:// "
                              f"or one of {', '.join(sorted(SUPPORTED_SCHEMES - {'file', 'local', 's3', 's3a'}))}")
