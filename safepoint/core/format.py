@@ -173,7 +173,7 @@ def parse_manifest(data: bytes) -> Manifest:
         raise FormatError(f"manifest: {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, an int past 4300 digits
         raise FormatError(f"manifest: not valid JSON ({e.__class__.__name__})") from None
     if not isinstance(doc, dict):
         raise FormatError("manifest: not a JSON object")
@@ -257,7 +257,7 @@ def parse_marker(data: bytes) -> Marker:
         raise FormatError(f"marker: over the {MAX_MARKER_BYTES}-byte limit")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSON, an int past 4300 digits
         raise FormatError("marker: not valid JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != "safepoint.marker":
         raise FormatError("marker: unknown format")

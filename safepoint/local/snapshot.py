@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable, Sequence
@@ -95,8 +96,12 @@ class LocalSnapshot:
     def size_of(self, relpath: str) -> int | None:
         try:
             st = os.stat(self.path_of(relpath), follow_symlinks=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as e:  # a manifest's path too long to exist here (ENAMETOOLONG), or a loop: not there
+            if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+                return None
+            raise
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def verify(self, workers: int = 2, progress: Callable[[int], None] | None = None,
