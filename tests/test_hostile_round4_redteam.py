@@ -127,7 +127,6 @@ def test_a_stale_file_is_set_aside_even_when_a_stale_directory_is_in_the_way(tmp
     assert not (home / local_server.STATE_NAME).exists()
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a read command creates a mistyped sqlite catalog")
 @pytest.mark.parametrize("command", [["resume-point", "--run", "r"], ["show", "r", "1"], ["lineage", "r", "1"]])
 def test_a_read_command_creates_no_catalog_at_a_mistyped_path(tmp_path: Path, command: list[str]) -> None:
     """`ls` says "no catalog at ... yet" and creates nothing; `resume-point`, `show` and `lineage`

@@ -27,7 +27,7 @@ def _row(cat: Any, run: str, step: int) -> Any:
 # -- lineage ---------------------------------------------------------------------------------
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    cat = _catalog(args, existing=True)
     chain = cat.lineage(args.run, args.step)
     if not chain:
         err.print(f"no checkpoint {inert(args.run)}/{args.step} in the catalog{inert(run_hint(cat, args.run))}")
@@ -69,7 +69,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 def cmd_risk(args: argparse.Namespace) -> int:
     from safepoint.rules.risk import assess
 
-    cat = _catalog(args)
+    cat = _catalog(args, existing=True)
     cks, events, states = cat.risk_inputs(args.run)
     if not cks:
         err.print(inert(f"no checkpoints recorded for run {args.run!r}{run_hint(cat, args.run)}"))
@@ -104,7 +104,7 @@ def cmd_risk(args: argparse.Namespace) -> int:
 # -- pins, tags, metrics -----------------------------------------------------------------------
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    cat = _catalog(args, existing=True)
     row = _row(cat, args.run, args.step)
     cat.set_pinned(row.id, not args.off)
     out.print(f"{inert(args.run)}/{args.step}: {'unpinned' if args.off else 'pinned'}")
@@ -112,7 +112,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    cat = _catalog(args, existing=True)
     row = _row(cat, args.run, args.step)
     tags = set(row.tags) - set(args.tags) if args.remove else set(row.tags) | set(args.tags)
     cat.set_tags(row.id, tags)
@@ -121,7 +121,7 @@ def cmd_tag(args: argparse.Namespace) -> int:
 
 
 def cmd_metric(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    cat = _catalog(args, existing=True)
     row = _row(cat, args.run, args.step)
     metrics = dict(row.metrics)
     for item in args.values:

@@ -27,22 +27,35 @@ out = LazyConsole()  # rich's Console, imported only when a command's output nee
 err = LazyConsole(stderr=True)
 
 
-def _catalog(args, config: Config | None = None):
-    """The catalog of --catalog, else of `config` (default: loaded)."""
+def _catalog(args, config: Config | None = None, *, existing: bool = False):
+    """The catalog of --catalog, else of `config` (default: loaded). `existing`: a command that only
+    reads or annotates what is recorded, so a --catalog SQLite file that is not there is a mistyped
+    URL (exit 2), never a new, empty catalog to answer from."""
     from safepoint.catalog.store import open_catalog
     from safepoint.core.config import load_config
 
     url = getattr(args, "catalog", None)
+    if existing:
+        _require_recorded(url)
     return open_catalog(url or (config or load_config()).catalog_url)
 
 
 def _fast_catalog(args):
     """The catalog for the read-mostly commands (restore, resume-point): sqlite3 alone on a SQLite catalog
-    at head (safepoint.catalog.lite), the catalog proper otherwise."""
+    at head (safepoint.catalog.lite), the catalog proper otherwise; a --catalog file must exist."""
     from safepoint.catalog.lite import open_fast
     from safepoint.core.config import load_config
 
+    _require_recorded(getattr(args, "catalog", None))
     return open_fast(getattr(args, "catalog", None) or load_config().catalog_url)
+
+
+def _require_recorded(url: str | None) -> None:
+    from safepoint.catalog.probe import sqlite_file
+
+    db = sqlite_file(url) if url else None
+    if db is not None and not db.exists():
+        raise UsageError(f"no catalog at {db}: nothing has been recorded there (check --catalog)")
 
 
 def run_hint(cat, run: str) -> str:

@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
 def cmd_show(args: Any) -> int:
     from safepoint.cli.common import _catalog, err, out, run_hint
 
-    cat = _catalog(args)
+    cat = _catalog(args, existing=True)
     row = cat.get(args.run, args.step)
     if row is None:
         err.print(f"no checkpoint {inert(args.run)}/{args.step} in the catalog{inert(run_hint(cat, args.run))}")
