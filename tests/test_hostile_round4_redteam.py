@@ -159,3 +159,25 @@ def test_a_hostile_manifest_is_a_verdict_not_an_infrastructure_error(tmp_path: P
     _plant_one(tmp_path / "snap", manifest)
     done = _cli(tmp_path, "verify", str(tmp_path / "snap"))
     assert done.returncode == 1, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///", "sqlite:///:memory:", "sqlite+pysqlite:///:memory:",
+                                 "sqlite:///file::memory:?uri=true", "sqlite:///file:x?mode=memory&uri=true"])
+@pytest.mark.parametrize("command", [["resume-point", "--run", "r"], ["ls"], ["show", "r", "1"]])
+def test_an_in_memory_catalog_is_refused_in_one_line(tmp_path: Path, url: str, command: list[str]) -> None:
+    """A catalog that keeps nothing past the command cannot record a verdict or answer one: exit 2."""
+    done = _cli(tmp_path, "--catalog", url, *command)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("safepoint: error:") and "in-memory" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("args", [["prune", "--run", "r", "--keep-every", "0"],
+                                  ["prune", "--run", "r", "--keep-every", "-1"],
+                                  ["prune", "--run", "r", "--keep-last", "-1"],
+                                  ["risk", "--last", "-1"], ["risk", "--last", "x"]])
+def test_a_count_out_of_range_is_a_usage_error(tmp_path: Path, args: list[str]) -> None:
+    done = _cli(tmp_path, *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("safepoint: error: invalid"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

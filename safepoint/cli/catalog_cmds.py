@@ -13,7 +13,7 @@ from rich.table import Table
 
 from safepoint.cli.common import EXIT_BAD, EXIT_OK, _catalog, err, out, run_hint
 from safepoint.cli.console import inert
-from safepoint.cli.registry import step_arg
+from safepoint.cli.registry import count_arg, step_arg
 from safepoint.core.errors import UsageError
 
 
@@ -180,7 +180,7 @@ def register(sub: Any) -> None:
     s.add_argument("--ber", type=float, default=1e-15, help="bit error rate ε, per bit (default 1e-15)")
     s.add_argument("--target", type=float, default=0.01,
                    help="tolerated expected undetected corrupted copies between scrubs (default 0.01)")
-    s.add_argument("--last", type=int, default=20, help="checkpoints to list (default the last 20)")
+    s.add_argument("--last", type=count_arg, default=20, help="checkpoints to list (default the last 20)")
     s.add_argument("--all", action="store_true", help="list every checkpoint")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_risk)

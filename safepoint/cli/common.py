@@ -37,7 +37,9 @@ def _catalog(args, config: Config | None = None, *, existing: bool = False):
     url = getattr(args, "catalog", None)
     if existing:
         _require_recorded(url)
-    return open_catalog(url or (config or load_config()).catalog_url)
+    url = url or (config or load_config()).catalog_url
+    _refuse_in_memory(url)
+    return open_catalog(url)
 
 
 def _fast_catalog(args):
@@ -47,7 +49,21 @@ def _fast_catalog(args):
     from safepoint.core.config import load_config
 
     _require_recorded(getattr(args, "catalog", None))
-    return open_fast(getattr(args, "catalog", None) or load_config().catalog_url)
+    url = getattr(args, "catalog", None) or load_config().catalog_url
+    _refuse_in_memory(url)
+    return open_fast(url)
+
+
+def _refuse_in_memory(url: str | None) -> None:
+    """A SQLite catalog in memory keeps nothing past this process: a command would record a verdict
+    nobody can read again, or answer from an empty catalog. Refused (exit 2), whatever its spelling."""
+    scheme, sep, rest = (url or "").partition("://")
+    if not sep or not scheme.lower().startswith("sqlite"):
+        return
+    path = rest.partition("?")[0].partition("#")[0].removeprefix("/")
+    if path in ("", ":memory:") or path.startswith("file::memory:") or "mode=memory" in rest:
+        raise UsageError(f"{url}: an in-memory SQLite catalog keeps nothing past this command; "
+                         "give a file (sqlite:////path/catalog.db) or a PostgreSQL URL")
 
 
 def _require_recorded(url: str | None) -> None:

@@ -27,7 +27,16 @@ from safepoint.cli.common import (
 from safepoint.cli.console import inert, plain_table
 from safepoint.cli.guard import checked_output, exit_now, guarded
 from safepoint.cli.quiet import console_logging, quiet_prefect
-from safepoint.cli.registry import Commands, add_commands, add_global_options, parent_arg, parse, step_arg
+from safepoint.cli.registry import (
+    Commands,
+    add_commands,
+    add_global_options,
+    count_arg,
+    interval_arg,
+    parent_arg,
+    parse,
+    step_arg,
+)
 from safepoint.core.errors import SafepointError, UsageError
 from safepoint.destinations import BLOCK_SCHEME, register_resolver
 
@@ -366,8 +375,9 @@ def register(sub) -> None:
     s = sub.add_parser("prune")
     s.add_argument("--run", action="append", help="run to prune (repeatable)")
     s.add_argument("--all-runs", action="store_true", help="prune every run in the catalog")
-    s.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest verified")
-    s.add_argument("--keep-every", type=int, metavar="STEPS", help="keep the first verified of every STEPS steps")
+    s.add_argument("--keep-last", type=count_arg, metavar="N", help="keep the N newest verified")
+    s.add_argument("--keep-every", type=interval_arg, metavar="STEPS",
+                   help="keep the first verified of every STEPS steps")
     s.add_argument("--keep-within", metavar="DURATION", help="keep everything created within e.g. 12h, 7d")
     s.add_argument("--keep-tagged", nargs="*", metavar="TAG", help="keep tagged checkpoints (any tag, or these)")
     s.add_argument("--keep-best", metavar="METRIC:N[:min|max]", help="keep the N best by a recorded metric")

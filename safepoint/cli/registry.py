@@ -167,6 +167,27 @@ def step_arg(text: str) -> int:
         raise UsageError(f"invalid step {visible(text)!r}: must be an integer in [0, 2**63 - 1]") from None
 
 
+def count_arg(text: str) -> int:
+    """The argparse type of a count (`--keep-last N`, `risk --last N`): an integer >= 0, else a usage error."""
+    from safepoint.core.errors import UsageError
+    from safepoint.core.text import visible
+
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+        raise UsageError(f"invalid count {visible(text)!r}: must be a whole number, 0 or more")
+    return int(digits)
+
+
+def interval_arg(text: str) -> int:
+    """A step interval (`--keep-every STEPS`): a count of at least 1."""
+    from safepoint.core.errors import UsageError
+
+    n = count_arg(text)
+    if n < 1:
+        raise UsageError(f"invalid interval {text!r}: must be 1 or more steps")
+    return n
+
+
 def parent_arg(text: str) -> tuple[str, int]:
     """The argparse type of `--parent RUN:STEP`: the run and a step as `step_arg` takes it."""
     from safepoint.core.errors import UsageError
