@@ -181,3 +181,11 @@ def test_a_count_out_of_range_is_a_usage_error(tmp_path: Path, args: list[str]) 
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("safepoint: error: invalid"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_destination_with_a_query_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    """The URL form is checked while the command line is read: no Prefect server is started for it."""
+    done = _cli(tmp_path, "ingest", str(tmp_path), "--to", "file:///tmp/d?password=HUSH42#token=T")
+    assert done.returncode == 2 and "HUSH42" not in done.stdout + done.stderr, done.stderr
+    assert done.stderr.startswith("safepoint: error: a file:// destination takes no query"), done.stderr
+    assert not (tmp_path / "pf").exists()  # PREFECT_HOME untouched: nothing was started

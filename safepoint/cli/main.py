@@ -32,6 +32,7 @@ from safepoint.cli.registry import (
     add_commands,
     add_global_options,
     count_arg,
+    destination_arg,
     interval_arg,
     parent_arg,
     parse,
@@ -333,14 +334,16 @@ def register(sub) -> None:
 
     s = sub.add_parser("ingest")
     s.add_argument("dir", metavar="DIR", help="a committed snapshot folder (see `safepoint commit`)")
-    s.add_argument("--to", action="append", required=True, metavar="URL", help="destination URL (repeatable)")
+    s.add_argument("--to", action="append", required=True, type=destination_arg, metavar="URL",
+                   help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     s.set_defaults(fn=cmd_ingest, prefect=True, validates=True)
 
     s = sub.add_parser("watch")
     s.add_argument("root", metavar="ROOT", help="folder under which training jobs write checkpoints")
-    s.add_argument("--to", action="append", required=True, metavar="URL", help="destination URL (repeatable)")
+    s.add_argument("--to", action="append", required=True, type=destination_arg, metavar="URL",
+                   help="destination URL (repeatable)")
     s.add_argument("--model", help="model factory package.module:function for a strict load check")
     s.add_argument("--once", action="store_true", help="one pass, then exit")
     s.add_argument("--interval", type=float, default=5.0, help="seconds between scans (default 5)")

@@ -167,6 +167,15 @@ def step_arg(text: str) -> int:
         raise UsageError(f"invalid step {visible(text)!r}: must be an integer in [0, 2**63 - 1]") from None
 
 
+def destination_arg(text: str) -> str:
+    """The argparse type of `--to URL`: a file:// or s3:// URL with a query or fragment is refused while
+    the command line is read (safepoint.destinations.check_path_only), before any server is started."""
+    from safepoint.destinations import check_path_only
+
+    check_path_only(text)
+    return text
+
+
 def count_arg(text: str) -> int:
     """The argparse type of a count (`--keep-last N`, `risk --last N`): an integer >= 0, else a usage error."""
     from safepoint.core.errors import UsageError
