@@ -16,6 +16,7 @@ Secrets belong in the environment or AWS profiles, not here; they are never logg
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,16 +56,34 @@ class Config:
         return dict(value) if isinstance(value, dict) else {}
 
 
-def load_config(path: str | os.PathLike | None = None) -> Config:
-    path = Path(path or os.environ.get("SAFEPOINT_CONFIG") or config_file())
-    doc: dict[str, Any] = {}
-    if path.is_file():
+# The parsed file by (path, inode, size, mtime): one command asks for the config from several layers
+# (CLI, sandbox, ops), and a long-lived watcher still sees an edited file.
+_parsed: dict[tuple, dict[str, Any]] = {}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        st = path.stat()
+    except OSError:
+        return {}
+    if not path.is_file():
+        return {}
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _parsed:
         import tomllib  # only when there is a file: every command loads the config, most have none
 
         try:
             doc = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UsageError(f"{path}: not valid TOML ({e})") from None
+        _parsed.clear()
+        _parsed[key] = doc
+    return copy.deepcopy(_parsed[key])
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    path = Path(path or os.environ.get("SAFEPOINT_CONFIG") or config_file())
+    doc = _read_toml(path)
     return Config(
         catalog_url=os.environ.get("SAFEPOINT_CATALOG_URL") or doc.get("catalog", {}).get("url"),
         storage=doc.get("storage", {}),
