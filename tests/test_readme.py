@@ -75,7 +75,11 @@ def test_the_set_up_commands_are_the_documented_ones():
     shown = {b.code.strip() for b in blocks()}
     assert "bash .ci/run" in shown
     assert any(c.startswith("python3 -m venv .venv") and c.endswith("safepoint demo") for c in shown)
-    assert "python -m pytest -q" in README.read_text()
+    # .ci/run calls the README's test command (plus CI's own report options)
+    ci = (README.parent / ".ci" / "run").read_text()
+    command = "python -m pytest -q -n 2 --dist loadfile"
+    assert f"`{command}`" in README.read_text()
+    assert re.search(rf"^{re.escape(command)} -p no:cacheprovider --durations=\d+$", ci, re.M), ci
 
 
 def _fresh_env(base: Path) -> dict[str, str]:
