@@ -9,6 +9,7 @@ model factory is given.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections import Counter
@@ -205,13 +206,29 @@ class Judge:
             origin[s.name] = s.file
         return Found(tensors, dict(self.values), dup), origin
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A PEFT adapter checkpoint's `adapter_config.json` (read and found valid by the reader), or None."""
+        from safepoint.validation.harness import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+        names = {rel.rsplit("/", 1)[-1]: rel for rel, status in self.report.files.items() if status == FILE_OK}
+        if ADAPTER_CONFIG not in names or not any(w in names for w in ADAPTER_WEIGHTS):
+            return None
+        try:
+            doc = json.loads((self.folder / names[ADAPTER_CONFIG]).read_bytes())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
     def run_harness(self, harness: Harness, step: int | None) -> None:
-        from safepoint.validation.harness import check
+        from safepoint.validation.harness import adapter_view, check
 
         found, origin = self.found()
         s = self.settings
+        adapter = self.adapter_config()
+        if adapter is not None:
+            found, origin = adapter_view(found, origin)
         result = check(harness, found, step=step, model_key=s.model_key, optimizer_key=s.optimizer_key,
-                       step_key=s.step_key, check_step_=s.check_step)
+                       step_key=s.step_key, check_step_=s.check_step, adapter_config=adapter)
         self.report.checks["harness"] = result.info
         main = max(set(origin.values()), key=list(origin.values()).count) if origin else "."
         for issue in result.issues:
