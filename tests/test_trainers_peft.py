@@ -101,6 +101,19 @@ def test_adapter_tensors_and_optimizer_state_are_read_and_the_base_model_loads_t
     assert harness["optimizer_key"] == "optimizer"
 
 
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_one_harness_serves_every_adapter_checkpoint(peft_run, device: str) -> None:
+    """The harness an ingest builds once is not changed by an adapter's load: the next checkpoint gets the same."""
+    from safepoint.validation.harness import build_harness
+
+    harness = build_harness(BASE, device)
+    before = dict(harness.model.state_dict())
+    for folder in peft_run[0]:
+        report = validate_snapshot(folder, step=int(folder.name.split("-")[1]), model=harness)
+        assert report.outcome == "verified" and report.checks["harness"]["adapter"]["trainable"] == 2, report.summary()
+    assert list(harness.model.state_dict()) == list(before)  # no adapter layers injected into the factory's model
+
+
 @pytest.mark.parametrize("where,name", [("adapter_model.safetensors", LORA_B), ("optimizer.pt", "state.1.exp_avg")])
 def test_a_planted_nan_in_the_adapter_or_its_optimizer_state_is_invalid_and_named(peft_run, tmp_path: Path,
                                                                                   where: str, name: str) -> None:
@@ -155,6 +168,8 @@ def test_adapter_run_is_ingested_restored_and_resumed_to_the_uninterrupted_adapt
     for name in ("checkpoint-2", "checkpoint-4"):
         outcome = ingest(node / name, [durable], sqlite_catalog, Config(), model=BASE)
         assert outcome.state is CS.VERIFIED, outcome.message
+        checks = sqlite_catalog.latest_validation(sqlite_catalog.get("lora", outcome.step).id).report["checks"]
+        assert checks["harness"]["adapter"] == {"peft_type": "LORA", "trainable": 2}   # the strict load ran
     uninterrupted = load_file(node / "checkpoint-6" / "adapter_model.safetensors")
     shutil.rmtree(node)
 

@@ -28,6 +28,7 @@ adapter's trainable parameters (the base model's are frozen, so they have none).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import re
@@ -490,7 +491,7 @@ def adapter_harness(harness: Harness, config: dict[str, Any]) -> Harness:
     except ImportError:
         raise HarnessError("an adapter checkpoint (adapter_config.json) needs peft for the strict load: "
                            "pip install peft") from None
-    model = harness.model
+    model = copy.deepcopy(harness.model)  # wrapping injects layers in place; the load below assigns tensors
     if not isinstance(model, PeftModel):
         try:
             fields = {k: v for k, v in config.items() if k not in ("base_model_name_or_path", "revision")}
@@ -539,7 +540,7 @@ def dry_run_adapter_load(model: nn.Module, found: dict[str, TensorSpec]) -> Issu
             return None
         sd[k] = torch.empty(spec.shape, dtype=dtype, device="meta")
     try:
-        result = set_peft_model_state_dict(model, sd)
+        result = set_peft_model_state_dict(model, sd, low_cpu_mem_usage=True)  # assigned: meta in, nothing copied
     except Exception as e:
         return Issue(Problem.LOAD, None, f"set_peft_model_state_dict refused the adapter (dry run on meta "
                      f"tensors): {one_line(e)}")
