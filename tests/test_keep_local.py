@@ -177,3 +177,28 @@ def test_keep_local_loads_no_catalog_in_the_training_process(tmp_path: Path, sql
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1]) == {"heavy": [], "evicted": []}  # unknown to the catalog: kept
+
+
+def test_safepoint_evict_keep_local_on_real_folders(tmp_path: Path, sqlite_catalog, sqlite_catalog_url,
+                                                    capsys) -> None:
+    """The command a pass runs: step 3 invalid, 4 pending, so 2 (the newest verified) stays and only 1 goes;
+    a count below 1 is refused in one line (exit 2)."""
+    from safepoint.cli.main import main
+    from tests.helpers_catalog import local_folder, seed
+
+    seed(sqlite_catalog, tmp_path, "r", 1)
+    seed(sqlite_catalog, tmp_path, "r", 2)
+    seed(sqlite_catalog, tmp_path, "r", 3, state=C.INVALID)
+    seed(sqlite_catalog, tmp_path, "r", 4, state=C.REPLICATED)
+    root = tmp_path / "nvme"
+    capsys.readouterr()
+    assert main(["evict", str(root), "--keep-local", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["keep_local"] == 1 and doc["evicted"] == [str(local_folder(tmp_path, "r", 1).resolve())]
+    assert [p.name for p in sorted((root / "r").iterdir())] == ["step-2", "step-3", "step-4"]
+    why = {d["step"]: d["reason"] for d in doc["decisions"]}
+    assert "newest 1 verified" in why[2] and "newer than" in why[3] and "newer than" in why[4]
+    assert sqlite_catalog.get("r", 1).local_path is None
+
+    assert main(["evict", str(root), "--keep-local", "0"]) == 2
+    assert "--keep-local must be at least 1, got 0" in capsys.readouterr().err
