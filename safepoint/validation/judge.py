@@ -124,6 +124,9 @@ def read_digest(path: Path) -> tuple[os.stat_result, str | None]:
         return before, hash_stream(read_chunks(f), before.st_size)[1] if stat.S_ISREG(before.st_mode) else None
 
 
+#: PEFT's adapter_config.json is a few KiB; the strict load reads no more than this of it
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+
 # Bytes per element of the dtypes a TensorStat names (torch's names; unknown ones count 0).
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
              "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
@@ -214,9 +217,10 @@ class Judge:
         if ADAPTER_CONFIG not in names or not any(w in names for w in ADAPTER_WEIGHTS):
             return None
         try:
-            doc = json.loads((self.folder / names[ADAPTER_CONFIG]).read_bytes())
+            with open(self.folder / names[ADAPTER_CONFIG], "rb") as f:
+                doc = json.loads(f.read(MAX_ADAPTER_CONFIG_BYTES + 1))
         except (OSError, ValueError):
-            return None
+            return None  # over the bound (truncated JSON) or gone: no strict load, the reader's verdict stands
         return doc if isinstance(doc, dict) else None
 
     def run_harness(self, harness: Harness, step: int | None) -> None:
