@@ -36,6 +36,13 @@ PYTHON = ['r = safepoint.restore("my-run", "resume/")',
           'trainer.train(resume_from_checkpoint=str(r))']
 
 
+def test_the_lines_are_the_readmes() -> None:
+    """Each trainer's resume line here is the README's, word for word (tests/test_readme.py runs them there too)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for line in (HF, LIGHTNING, DCP, ACCELERATE):
+        assert f"\n{line}  # to resume\n" in text, line
+
+
 @pytest.fixture
 def here(tmp_path: Path, monkeypatch, sqlite_catalog):
     resumed.forget()

@@ -145,20 +145,26 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
     if args.min_replicas < 1:
         raise UsageError(f"--min-replicas must be at least 1, got {args.min_replicas}")
+    if args.keep_local is not None and args.keep_local < 1:
+        raise UsageError(f"--keep-local must be at least 1, got {args.keep_local}")
     res = evict(_catalog(args), args.root, high_water=args.high_water, low_water=args.low_water,
                 capacity_bytes=args.capacity, min_replicas=args.min_replicas, keep_newest=args.keep_newest,
-                dry_run=args.dry_run)
+                dry_run=args.dry_run, keep_local=args.keep_local)
     p = res.plan
     if args.json:
         print(json.dumps({
             "root": args.root, "used": p.usage.used, "total": p.usage.total, "fill": p.usage.fill,
             "high_water": p.high_water, "low_water": p.low_water, "projected_fill": p.projected_fill,
+            "keep_local": p.keep_local,
             "decisions": [{"run": d.copy.run, "step": d.copy.step, "path": d.copy.path, "bytes": d.size,
                            "evict": d.evict, "reason": d.reason} for d in p.decisions],
             "evicted": res.evicted, "skipped": res.skipped, "dry_run": args.dry_run}, indent=1))
         return EXIT_OK
-    out.print(f"{inert(args.root)}: fill {100 * p.usage.fill:.1f}% (high water {100 * p.high_water:.0f}%, "
-              f"target {100 * p.low_water:.0f}%)")
+    if p.keep_local is not None:
+        out.print(f"{inert(args.root)}: keeping the newest {p.keep_local} verified local checkpoint(s) of each run")
+    else:
+        out.print(f"{inert(args.root)}: fill {100 * p.usage.fill:.1f}% (high water {100 * p.high_water:.0f}%, "
+                  f"target {100 * p.low_water:.0f}%)")
     for d in p.decisions:
         verb = ("would evict" if args.dry_run else "evict") if d.evict else "keep"
         out.print(inert(f"{verb:11} {d.copy.run}/{d.copy.step} {d.copy.path} ({d.size:,} bytes): {d.reason}"))
@@ -213,6 +219,9 @@ def register(sub: Any) -> None:
     s.add_argument("--min-replicas", type=int, default=1,
                    help="verified durable replicas a copy needs before it may be evicted (default 1)")
     s.add_argument("--keep-newest", type=int, default=1, help="local copies kept per run for fast restarts")
+    s.add_argument("--keep-local", type=int, metavar="N",
+                   help="whatever the fill: keep each run's newest N verified local copies (and any newer); "
+                        "delete older ones that have a verified replica (what keep_local=N runs)")
     s.add_argument("--dry-run", action="store_true", help="print the plan; delete nothing")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(fn=cmd_evict)

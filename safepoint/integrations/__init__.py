@@ -4,8 +4,11 @@
   (extra `huggingface`);
 - `safepoint.integrations.lightning.SafepointCheckpointIO`: a Lightning `CheckpointIO` that writes
   each checkpoint into its own `step-N/` folder and seals it (extra `lightning`);
-- `safepoint.integrations.dcp`: `save(...)` and `seal_finished(...)` for torchtitan and `dcp.save` users;
-- `safepoint.integrations.accelerate.save_state(...)`: `Accelerator.save_state` into `step-N/`, sealed.
+- `safepoint.integrations.dcp`: `save(...)` and `seal_finished(...)` for torchtitan and `dcp.save` users,
+  `async_save(...)` and `seal_when_saved(...)` for `dcp.async_save` (FSDP2 state included);
+- `safepoint.integrations.accelerate.save_state(...)`: `Accelerator.save_state` into `step-N/`, sealed;
+- `safepoint.integrations.keep_local`: the `keep_local=N` retention of the HF callback and the Lightning
+  plugin (older local folders go once a newer checkpoint is verified and they have a verified replica).
 
 Sealing is `safepoint.commit` (hash, fsync, manifest, marker). Each optionally emits the
 `safepoint.checkpoint.committed` event so a Prefect deployment ingests it at once; otherwise

@@ -10,8 +10,15 @@ Two ways, by who calls `dcp.save`:
     # (or from a side process), seal every finished folder
     sp_dcp.seal_finished("outputs/checkpoint", run="my-run")
 
+    # torch's own dcp.async_save: sealed in the background once the save has finished
+    sealed = sp_dcp.async_save(state_dict, "ckpt", run="my-run", step=step)   # instead of dcp.async_save
+    sealed = sp_dcp.seal_when_saved(dcp.async_save(state_dict, checkpoint_id=folder), folder, run="my-run",
+                                    step=step)                                # or around your own call
+
 DCP writes `.metadata` last, after every rank's `.distcp` data, so a folder with `.metadata` is
-finished (async saves included); one without is still being written and is left alone.
+finished (async saves included); one without is still being written and is left alone. An async save
+is sealed by rank 0 when torch's future completes (every rank's data written, then `.metadata`): the
+future Safepoint returns completes once the folder is sealed, and fails if the save or the seal did.
 Saving a step again into its sealed folder (a resumed run) re-seals it: the old seal goes first.
 To resume: `sp_dcp.load(state_dict, safepoint.restore(run, into))` (`dcp.load`, and the restored
 checkpoint becomes the parent of the next one saved), or point
@@ -20,8 +27,10 @@ torchtitan's `checkpoint.folder` at the restored folder's parent.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +44,18 @@ from safepoint.integrations.sealing import (
 from safepoint.local.snapshot import is_committed
 from safepoint.validation.loaders.dcp import METADATA_NAME
 
-__all__ = ["load", "save", "seal_finished"]
+__all__ = ["async_save", "load", "save", "seal_finished", "seal_when_saved"]
+
+log = logging.getLogger("safepoint.integrations")
+
+
+def _is_sealer(process_group: Any = None) -> bool:
+    """Rank 0 of the group (or the only process) seals."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank(process_group) == 0 if process_group is not None else dist.get_rank() == 0
 
 
 def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
@@ -59,6 +79,61 @@ def save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step:
     if distributed:
         dist.barrier(group=process_group)  # nobody moves on before the seal
     return folder
+
+
+def seal_when_saved(saving: Any, folder: str | os.PathLike, *, run: str, step: int, emit_to: Sequence[str] = (),
+                    node: str | None = None, strict: bool = True, process_group: Any = None) -> Future:
+    """Seal `folder` once torch's `dcp.async_save` (its Future, or AsyncSaveResponse) has finished.
+
+    Call it on every rank with what `dcp.async_save` returned. Rank 0 seals, in the thread that finishes
+    the save, and only a folder whose `.metadata` is there (DCP writes it last, after every rank's data).
+    Returns a Future: the sealed folder on rank 0, None on the others (and where a seal failed that
+    was not `strict`); it fails with the save's error,
+    or with the seal's (`CommitError`, or `FileNotFoundError` for a save that left no `.metadata`)."""
+    done: Future = Future()
+    upload = getattr(saving, "upload_completion", saving)  # AsyncSaveResponse: its upload future
+    target = Path(folder)
+    options = SealOptions(run, tuple(emit_to), node, strict=strict)
+    sealer = _is_sealer(process_group)
+
+    def finished(f: Future) -> None:
+        try:
+            f.result()
+            if sealer:
+                if not (target / METADATA_NAME).is_file():
+                    raise FileNotFoundError(f"{target}: the async save finished without {METADATA_NAME}: not sealed")
+                sealed = seal_and_announce(target, step, options) is not None  # False: not strict, logged
+                done.set_result(target if sealed else None)
+            else:
+                done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            if sealer:
+                log.error("safepoint: %s (step %s) not sealed: %s", target, step, e)
+            done.set_exception(e)
+
+    upload.add_done_callback(finished)
+    return done
+
+
+def async_save(state_dict: dict[str, Any], root: str | os.PathLike, *, run: str, step: int,
+               emit_to: Sequence[str] = (), node: str | None = None, process_group: Any = None,
+               **dcp_kwargs: Any) -> Future:
+    """`dcp.async_save(state_dict)` into `root/step-N`, sealed by rank 0 once it has finished.
+
+    Every rank calls it. Returns a Future that completes when the folder is sealed (see `seal_when_saved`):
+    wait on it before the next async save, as torch asks of its own future."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(root) / f"step-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    if _is_sealer(process_group):
+        unseal_before_write(folder)  # a step saved again: its old seal goes before any new byte
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=process_group)
+    saving = dcp.async_save(state_dict, checkpoint_id=str(folder), process_group=process_group, **dcp_kwargs)
+    return seal_when_saved(saving, folder, run=run, step=step, emit_to=emit_to, node=node,
+                           process_group=process_group)
 
 
 def load(state_dict: dict[str, Any], folder: str | os.PathLike, *, process_group: Any = None,

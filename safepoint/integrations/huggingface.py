@@ -14,8 +14,10 @@ already sealed: `on_step_end` / `on_epoch_end` take the old seal away before the
 `on_save` seals the new bytes (a new version in the catalog). A resumed Trainer's checkpoints name
 their lineage parent: the one it resumed from, then the one before.
 
-`save_total_limit` makes the Trainer delete older folders itself (before `on_save` runs), whether or
-not they were ingested: the callback warns once, saying what to set instead.
+`keep_local=N` is the retention to use instead of `save_total_limit` (which makes the Trainer delete
+older folders itself, ingested or not; the callback warns once): the newest N verified checkpoints
+and any newer stay, and an older `checkpoint-N/` goes only once it has a verified replica
+(safepoint.integrations.keep_local, in a child process, after each seal; `on_train_end` waits for it).
 
 To resume: `trainer.train(resume_from_checkpoint=os.fspath(safepoint.restore(run, into)))`.
 """
@@ -31,6 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from safepoint.core import resumed
+from safepoint.integrations.keep_local import LocalRetention
 from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal_and_announce, unseal_before_write
 
 __all__ = ["SafepointCallback"]
@@ -46,13 +49,17 @@ def _barrier() -> None:
 
 
 class SafepointCallback(TrainerCallback):
-    """Seal each `checkpoint-N` the Trainer saves as checkpoint (run, N); optionally emit the event."""
+    """Seal each `checkpoint-N` the Trainer saves as checkpoint (run, N); optionally emit the event.
+
+    `keep_local=N`: remove older local folders once a newer checkpoint is verified and the old one has a
+    verified replica (`catalog`: the catalog URL, default `SAFEPOINT_CATALOG_URL` or the config's)."""
 
     def __init__(self, run: str, *, emit_to: Sequence[str] = (), node: str | None = None, workers: int = 2,
-                 strict: bool = True) -> None:
+                 strict: bool = True, keep_local: int | None = None, catalog: str | None = None) -> None:
         self.options = SealOptions(run, tuple(emit_to), node, workers, strict)
         self.sealed: list[Path] = []
         self.warned_rotation = False
+        self.retention = LocalRetention(keep_local, catalog=catalog) if keep_local is not None else None
 
     def checkpoint_folder(self, args: Any, state: Any) -> Path:
         return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -63,8 +70,9 @@ class SafepointCallback(TrainerCallback):
             self.warned_rotation = True
             log.warning("safepoint: save_total_limit=%s makes the Trainer delete checkpoint folders itself, "
                         "ingested or not, so a checkpoint can be lost before it is replicated. Set "
-                        "save_total_limit=None and let Safepoint's retention remove local copies (`safepoint "
-                        "evict`, `safepoint prune`)", limit)
+                        "save_total_limit=None and SafepointCallback(..., keep_local=N): older local folders "
+                        "then go only once a newer checkpoint is verified and they have a verified replica",
+                        limit)
         if state.global_step > 0:  # resumed: the next checkpoint follows the one the Trainer resumed from
             point = resumed.resumed_point()
             if point is not None and point[1] == state.global_step:
@@ -104,3 +112,9 @@ class SafepointCallback(TrainerCallback):
             folder = found[-1]
         if seal_and_announce(folder, state.global_step, self.options) is not None:
             self.sealed.append(folder)
+            if self.retention is not None:
+                self.retention.after_seal(folder.parent)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.retention is not None:
+            self.retention.finish()  # the last pass, waited for: the trainer's folders end as keep_local says

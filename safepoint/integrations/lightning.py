@@ -16,7 +16,9 @@ asked, unsealed: the sealed copy is already the resume point. A save of the same
 folder (a run resumed from an older step into the same `dirpath`) re-seals it: the old seal goes
 first, then the new file, manifest and marker. Loading a checkpoint from a sealed folder (`fit(ckpt_path=...)`)
 makes it the lineage parent of the next one sealed. Removing a sealed checkpoint (`save_top_k` rotation) only
-removes files of folders that are not sealed: sealed ones belong to retention (`safepoint prune`).
+removes files of folders that are not sealed: sealed ones belong to retention: `keep_local=N` removes
+older sealed step folders once a newer checkpoint is verified and they have a verified replica
+(safepoint.integrations.keep_local, after each seal; `teardown` at the end of `fit` waits for it).
 Single-file strategies (single device, DDP) write on global rank 0 only, which is where this runs.
 To resume: `trainer.fit(model, ckpt_path=sealed_checkpoint(safepoint.restore(run, into)))`.
 """
@@ -32,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from safepoint.core import resumed
+from safepoint.integrations.keep_local import LocalRetention
 from safepoint.integrations.sealing import SealOptions, note_resumed_from, seal_and_announce, unseal_before_write
 from safepoint.local.snapshot import LocalSnapshot, is_committed
 
@@ -89,10 +92,12 @@ class SafepointCheckpointIO(*(m.CheckpointIO for m in _IO)):  # type: ignore[mis
     `pytorch_lightning.Trainer` both accept it."""
 
     def __init__(self, run: str, *, inner: CheckpointIO | None = None, emit_to: Sequence[str] = (),
-                 node: str | None = None, workers: int = 2, strict: bool = True) -> None:
+                 node: str | None = None, workers: int = 2, strict: bool = True, keep_local: int | None = None,
+                 catalog: str | None = None) -> None:
         self.inner = inner or TorchCheckpointIO()
         self.options = SealOptions(run, tuple(emit_to), node, workers, strict)
         self.sealed: list[Path] = []
+        self.retention = LocalRetention(keep_local, catalog=catalog) if keep_local is not None else None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         step = int(checkpoint.get("global_step", 0))
@@ -105,6 +110,8 @@ class SafepointCheckpointIO(*(m.CheckpointIO for m in _IO)):  # type: ignore[mis
         self.inner.save_checkpoint(checkpoint, target, storage_options=storage_options)
         if seal_and_announce(target.parent, step, self.options) is not None:
             self.sealed.append(target.parent)
+            if self.retention is not None:
+                self.retention.after_seal(target.parent.parent)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         loaded = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -124,4 +131,6 @@ class SafepointCheckpointIO(*(m.CheckpointIO for m in _IO)):  # type: ignore[mis
             self.inner.remove_checkpoint(path)
 
     def teardown(self) -> None:
+        if self.retention is not None:
+            self.retention.finish()
         self.inner.teardown()

@@ -33,7 +33,7 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations import open_destination
 from safepoint.local.safe_delete import remove_snapshot_folder
 from safepoint.ops.verify import verify_replica
-from safepoint.rules.eviction import EVICTABLE, EvictionPlan, Usage, plan_eviction
+from safepoint.rules.eviction import EVICTABLE, EvictionPlan, Usage, plan_eviction, plan_keep_local
 
 log = logging.getLogger("safepoint.ops.evict")
 
@@ -127,13 +127,18 @@ def whole_replicas(catalog, copy: LocalCopy, needed: int, config: Config) -> int
 
 def evict(catalog, root: str | os.PathLike[str], *, high_water: float = 0.85, low_water: float | None = None,
           capacity_bytes: int | None = None, min_replicas: int = 1, keep_newest: int = 1,
-          dry_run: bool = False, config: Config | None = None) -> EvictionResult:
-    """Measure `root`, plan, and (unless `dry_run`) delete the chosen local copies."""
+          dry_run: bool = False, config: Config | None = None, keep_local: int | None = None) -> EvictionResult:
+    """Measure `root`, plan, and (unless `dry_run`) delete the chosen local copies.
+
+    `keep_local=N`: the trainer's count-based rule (rules.eviction.plan_keep_local) instead of the fill."""
     root = Path(root).resolve()  # the catalog holds resolved paths (safepoint commit resolves them)
     copies = [c for c in catalog.local_copies(root) if Path(c.path).is_dir()]
     sizes = {c.path: folder_bytes(c.path) for c in copies}
-    p = plan_eviction(copies, sizes, measure(root, capacity_bytes), high_water=high_water, low_water=low_water,
-                      min_replicas=min_replicas, keep_newest=keep_newest)
+    if keep_local is not None:
+        p = plan_keep_local(copies, sizes, measure(root, capacity_bytes), keep_local, min_replicas=min_replicas)
+    else:
+        p = plan_eviction(copies, sizes, measure(root, capacity_bytes), high_water=high_water, low_water=low_water,
+                          min_replicas=min_replicas, keep_newest=keep_newest)
     result = EvictionResult(p)
     if dry_run:
         return result

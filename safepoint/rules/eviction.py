@@ -3,6 +3,11 @@
 Above the high-water fill, the oldest copies whose checkpoint has enough verified durable replicas
 go first, until the fill would reach the low-water mark. A copy the pipeline may still read, one
 without a verified replica, or the newest of each run (fast restart) stays; each copy gets a reason.
+
+`plan_keep_local` is the trainer's count-based rule (`keep_local=N`, instead of HF's
+`save_total_limit`): whatever the fill, a run keeps its newest N verified local copies and everything
+newer than them; older copies go once they have a verified replica. The previous verified checkpoint
+therefore stays until a newer one has passed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class EvictionPlan:
     high_water: float
     low_water: float
     decisions: tuple[EvictionDecision, ...] = ()
+    keep_local: int | None = None    # the count-based rule's N (plan_keep_local); None: by fill
 
     @property
     def evict(self) -> tuple[EvictionDecision, ...]:
@@ -111,3 +117,44 @@ def plan_eviction(copies: Sequence[Any], sizes: Mapping[str, int], usage: Usage,
                 c, True, f"oldest replicated copy: fill {_pct(usage.fill)} > {_pct(high_water)}, "
                 f"target {_pct(low)}", size))
     return EvictionPlan(usage, high_water, low, tuple(decisions))
+
+
+def plan_keep_local(copies: Sequence[Any], sizes: Mapping[str, int], usage: Usage, keep: int, *,
+                    min_replicas: int = 1) -> EvictionPlan:
+    """Keep each run's newest `keep` verified local copies, and any newer copy; evict the older ones
+    that have `min_replicas` verified durable replicas, whatever the fill. A reason for every copy.
+
+    Rank parts of one checkpoint share its step and state, so they go or stay together."""
+    check_min_replicas(min_replicas)
+    if keep < 1:
+        raise ValueError(f"keep_local must be at least 1, got {keep}")
+    need = max(1, min_replicas)
+    decisions: list[EvictionDecision] = []
+    by_run: dict[str, list[Any]] = {}
+    for c in copies:
+        by_run.setdefault(c.run, []).append(c)
+    for run, mine in sorted(by_run.items()):
+        verified_steps = sorted({c.step for c in mine if c.state is CS.VERIFIED}, reverse=True)
+        kept = verified_steps[:keep]
+        oldest_kept = kept[-1] if len(kept) == keep else None
+        for c in sorted(mine, key=lambda c: (c.step, c.path)):
+            size = int(sizes.get(c.path, 0))
+            if oldest_kept is None:
+                why = (f"run {run} has {len(kept)} verified local checkpoint(s), {keep} kept: nothing older "
+                       "goes before a newer one has passed")
+            elif c.step >= oldest_kept:
+                why = (f"one of the newest {keep} verified local checkpoint(s) of run {run}" if c.step in kept
+                       else f"newer than the newest {keep} verified local checkpoint(s) of run {run}")
+            elif c.state not in EVICTABLE:
+                why = f"state {c.state}: only verified or invalid checkpoints lose their local copy"
+            elif c.verified_replicas < need:
+                why = (f"{c.verified_replicas} verified durable replica(s), {need} required before the local "
+                       "copy may go")
+            else:
+                decisions.append(EvictionDecision(c, True, f"older than the newest {keep} verified local "
+                                                  f"checkpoint(s) of run {run}, and replicated", size))
+                continue
+            decisions.append(EvictionDecision(c, False, why, size))
+    order = {id(c): i for i, c in enumerate(sorted(copies, key=lambda c: (c.created_at, c.step, c.path)))}
+    decisions.sort(key=lambda d: order[id(d.copy)])
+    return EvictionPlan(usage, 1.0, 1.0, tuple(decisions), keep)

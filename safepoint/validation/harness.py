@@ -17,10 +17,18 @@ shape and dtype, and the plain values (param groups, step). The checks are pure 
   hyperparameter keys, state for parameters no group lists, state tensors whose shape is not their
   parameter's;
 - the step recorded in the checkpoint ("step", "global_step", ... or `step_key`) against the catalog's.
+
+A PEFT adapter checkpoint (`adapter_model.safetensors` beside `adapter_config.json`, as HF `Trainer`
+saves a `PeftModel`) holds the adapter's tensors only: the factory's base model is wrapped with the
+saved adapter config (or the factory returns the `PeftModel` itself), the checkpoint's tensors are
+compared with the adapter's keys, then loaded as PEFT loads them (`set_peft_model_state_dict`): any
+key left unused or adapter weight left unset fails; the optimizer state is compared with the
+adapter's trainable parameters (the base model's are frozen, so they have none).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import re
@@ -39,7 +47,7 @@ from safepoint.validation.problems import Problem, one_line
 
 __all__ = [
     "DEFAULT_MODEL_KEYS", "DEFAULT_OPTIMIZER_KEYS", "DEFAULT_STEP_KEYS", "Found", "Harness", "HarnessError", "Issue",
-    "OptimizerLayout", "TensorSpec", "build_harness", "check", "load_factory",
+    "OptimizerLayout", "TensorSpec", "adapter_harness", "build_harness", "check", "load_factory",
 ]
 
 DEFAULT_MODEL_KEYS: tuple[str, ...] = ("model", "state_dict", "module", "")
@@ -79,6 +87,7 @@ class Harness:
     model: nn.Module
     expected: dict[str, TensorSpec]
     optimizer: OptimizerLayout | None = None
+    adapter: dict[str, TensorSpec] | None = None   # a PEFT adapter's trainable parameters, by name
 
 
 @dataclass(frozen=True)
@@ -458,9 +467,135 @@ def check_step(values: dict[str, Any], step: int | None, candidates: tuple[str, 
     return [], None
 
 
+# ------------------------------------------------------------------------------------------ adapters
+
+#: the files PEFT's `save_pretrained` writes (HF `Trainer` saving a `PeftModel`)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(int(d) for d in t.shape), _dtype_name(t.dtype))
+
+
+class AdapterMismatch(ValueError):
+    """The saved adapter config cannot be applied to the factory's model: a verdict on the checkpoint."""
+
+
+def adapter_harness(harness: Harness, config: dict[str, Any]) -> Harness:
+    """The harness of a PEFT adapter checkpoint: the factory's model wrapped with the saved adapter config
+    (unless it is a `PeftModel` already), expecting the adapter's tensors as PEFT saves them."""
+    try:
+        from peft import PeftConfig, PeftModel, get_peft_model
+        from peft.utils import get_peft_model_state_dict
+    except ImportError:
+        raise HarnessError("an adapter checkpoint (adapter_config.json) needs peft for the strict load: "
+                           "pip install peft") from None
+    model = copy.deepcopy(harness.model)  # wrapping injects layers in place; the load below assigns tensors
+    if not isinstance(model, PeftModel):
+        try:
+            fields = {k: v for k, v in config.items() if k not in ("base_model_name_or_path", "revision")}
+            fields["inference_mode"] = False  # saved as True; training made the adapter trainable
+            peft_config = PeftConfig.from_peft_type(**fields)
+            with torch.device(next(model.parameters()).device), _cheap_construction():
+                model = get_peft_model(model, peft_config)
+        except Exception as e:
+            raise AdapterMismatch(f"{ADAPTER_CONFIG}: the adapter does not fit the model of {harness.spec!r}: "
+                                  f"{one_line(e)}") from None
+    expected = {k: _spec(v) for k, v in get_peft_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    trainable = {n: _spec(p) for n, p in model.named_parameters() if p.requires_grad}
+    return Harness(harness.spec, model, expected, harness.optimizer, trainable)
+
+
+def adapter_view(found: Found, origin: dict[str, str]) -> tuple[Found, dict[str, str]]:
+    """What the harness compares in an adapter checkpoint: the adapter file's tensors, and the optimizer
+    state HF keeps at the top level of `optimizer.pt`, under `optimizer.` (RNG state and the rest left out). Pure."""
+    def base(rel: str) -> str:
+        return rel.rsplit("/", 1)[-1]
+
+    def top_level_optimizer(name: str) -> bool:
+        return name.startswith(("state.", "param_groups."))
+
+    tensors: dict[str, TensorSpec] = {}
+    where: dict[str, str] = {}
+    for name, spec in found.tensors.items():
+        file = origin.get(name, "")
+        if base(file) in ADAPTER_WEIGHTS:
+            tensors[name], where[name] = spec, file
+        elif base(file).startswith("optimizer.") and top_level_optimizer(name):
+            tensors[f"optimizer.{name}"], where[f"optimizer.{name}"] = spec, file
+    values = {(f"optimizer.{k}" if top_level_optimizer(k) else k): v for k, v in found.values.items()}
+    return Found(tensors, values, {k: v for k, v in found.duplicates.items() if k in tensors}), where
+
+
+def dry_run_adapter_load(model: nn.Module, found: dict[str, TensorSpec]) -> Issue | None:
+    """PEFT's own load (`set_peft_model_state_dict`) of meta tensors: a key it cannot place, or an adapter
+    weight it leaves unset, fails."""
+    from peft.utils import set_peft_model_state_dict
+
+    sd = {}
+    for k, spec in found.items():
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            return None
+        sd[k] = torch.empty(spec.shape, dtype=dtype, device="meta")
+    try:
+        result = set_peft_model_state_dict(model, sd, low_cpu_mem_usage=True)  # assigned: meta in, nothing copied
+    except Exception as e:
+        return Issue(Problem.LOAD, None, f"set_peft_model_state_dict refused the adapter (dry run on meta "
+                     f"tensors): {one_line(e)}")
+    adapter_names = set(getattr(model, "peft_config", {}) or {"default"})
+    unset = [k for k in result.missing_keys if any(f".{a}." in k or k.endswith(f".{a}") for a in adapter_names)]
+    if result.unexpected_keys or unset:
+        what = [f"{len(result.unexpected_keys)} key(s) it cannot place ({', '.join(result.unexpected_keys[:3])})"] \
+            if result.unexpected_keys else []
+        what += [f"{len(unset)} adapter weight(s) unset ({', '.join(unset[:3])})"] if unset else []
+        return Issue(Problem.LOAD, None, f"set_peft_model_state_dict: {'; '.join(what)}")
+    return None
+
+
+def check_adapter_optimizer(trainable: dict[str, TensorSpec], opt: FoundOptimizer | None) -> list[Issue]:
+    """The optimizer state of an adapter run: one entry per trainable adapter parameter, each of its shape.
+
+    HF's Trainer groups parameters by weight decay, so the state's order is not the model's: the shapes
+    are compared as a multiset. Pure."""
+    if opt is None:
+        return []
+    P = opt.prefix
+    ids = [str(x) for g in opt.groups for x in (g.get("params") or []) if isinstance(g.get("params"), list)]
+    issues: list[Issue] = []
+    if len(set(ids)) != len(trainable):
+        issues.append(Issue(Problem.OPTIMIZER, f"{P}.param_groups",
+                            f"{P}.param_groups: {len(set(ids))} parameters in the checkpoint, the adapter trains "
+                            f"{len(trainable)}"))
+    want = sorted(s.shape for s in trainable.values())
+    have = []
+    for pid, entries in sorted(opt.state.items()):
+        shapes = {v.shape for k, v in entries.items() if isinstance(v, TensorSpec) and _numel(v.shape) > 1
+                  and k not in FACTORED_STATE_KEYS}
+        if len(shapes) > 1:
+            issues.append(Issue(Problem.OPTIMIZER, f"{P}.state.{pid}",
+                                f"{P}.state.{pid}: state tensors of one parameter disagree on shape"))
+        have.extend(shapes)
+    for shape in sorted(set(have)):
+        if have.count(shape) > want.count(shape):
+            issues.append(Issue(Problem.OPTIMIZER, f"{P}.state",
+                                f"{P}.state: {have.count(shape)} parameter(s) with state of shape {list(shape)}, "
+                                f"the adapter trains {want.count(shape)} of that shape"))
+    return issues
+
+
 def check(harness: Harness, found: Found, *, step: int | None = None, model_key: Any = None,
-          optimizer_key: Any = None, step_key: Any = None, check_step_: bool = True) -> CheckResult:
-    """Every harness check over what validation found; issues and what was compared (info)."""
+          optimizer_key: Any = None, step_key: Any = None, check_step_: bool = True,
+          adapter_config: dict[str, Any] | None = None) -> CheckResult:
+    """Every harness check over what validation found; issues and what was compared (info).
+
+    `adapter_config`: the checkpoint is a PEFT adapter saved with this `adapter_config.json`."""
+    if adapter_config is not None:
+        try:
+            harness = adapter_harness(harness, adapter_config)
+        except AdapterMismatch as e:
+            return CheckResult([Issue(Problem.LOAD, None, str(e))], {"model": harness.spec})
     result = CheckResult(info={"model": harness.spec})
     opt_keys, _ = _keys(optimizer_key, DEFAULT_OPTIMIZER_KEYS)
     opt = find_optimizer(found, opt_keys)
@@ -477,10 +612,14 @@ def check(harness: Harness, found: Found, *, step: int | None = None, model_key:
             issues.append(Issue(Problem.UNEXPECTED_KEY, n, f"{n}: found in {len(found.duplicates[n])} files "
                                 f"({', '.join(found.duplicates[n])}); the model expects one copy"))
     if not issues:
-        load_issue = dry_run_load(harness.model, state_found)
+        load_issue = dry_run_load(harness.model, state_found) if harness.adapter is None \
+            else dry_run_adapter_load(harness.model, state_found)
         if load_issue:
             issues.append(load_issue)
-    issues += check_optimizer(harness.optimizer, opt, harness.expected, opt_keys)
+    if harness.adapter is None or harness.optimizer is not None:
+        issues += check_optimizer(harness.optimizer, opt, harness.expected, opt_keys)
+    else:
+        issues += check_adapter_optimizer(harness.adapter, opt)
     if check_step_:
         step_issues, recorded = check_step(found.values, step, _keys(step_key, DEFAULT_STEP_KEYS)[0])
         issues += step_issues
@@ -490,5 +629,8 @@ def check(harness: Harness, found: Found, *, step: int | None = None, model_key:
         "model_key": prefix, "model_tensors": len(harness.expected), "optimizer_key": opt.prefix if opt else None,
         "optimizer": harness.optimizer.kind if harness.optimizer else None,
     })
+    if harness.adapter is not None:
+        result.info["adapter"] = {"peft_type": (adapter_config or {}).get("peft_type"),
+                                  "trainable": len(harness.adapter)}
     result.issues = _capped(issues)
     return result

@@ -9,6 +9,7 @@ model factory is given.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections import Counter
@@ -123,6 +124,9 @@ def read_digest(path: Path) -> tuple[os.stat_result, str | None]:
         return before, hash_stream(read_chunks(f), before.st_size)[1] if stat.S_ISREG(before.st_mode) else None
 
 
+#: PEFT's adapter_config.json is a few KiB; the strict load reads no more than this of it
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+
 # Bytes per element of the dtypes a TensorStat names (torch's names; unknown ones count 0).
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
              "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
@@ -205,13 +209,30 @@ class Judge:
             origin[s.name] = s.file
         return Found(tensors, dict(self.values), dup), origin
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        """A PEFT adapter checkpoint's `adapter_config.json` (read and found valid by the reader), or None."""
+        from safepoint.validation.harness import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+        names = {rel.rsplit("/", 1)[-1]: rel for rel, status in self.report.files.items() if status == FILE_OK}
+        if ADAPTER_CONFIG not in names or not any(w in names for w in ADAPTER_WEIGHTS):
+            return None
+        try:
+            with open(self.folder / names[ADAPTER_CONFIG], "rb") as f:
+                doc = json.loads(f.read(MAX_ADAPTER_CONFIG_BYTES + 1))
+        except (OSError, ValueError):
+            return None  # over the bound (truncated JSON) or gone: no strict load, the reader's verdict stands
+        return doc if isinstance(doc, dict) else None
+
     def run_harness(self, harness: Harness, step: int | None) -> None:
-        from safepoint.validation.harness import check
+        from safepoint.validation.harness import adapter_view, check
 
         found, origin = self.found()
         s = self.settings
+        adapter = self.adapter_config()
+        if adapter is not None:
+            found, origin = adapter_view(found, origin)
         result = check(harness, found, step=step, model_key=s.model_key, optimizer_key=s.optimizer_key,
-                       step_key=s.step_key, check_step_=s.check_step)
+                       step_key=s.step_key, check_step_=s.check_step, adapter_config=adapter)
         self.report.checks["harness"] = result.info
         main = max(set(origin.values()), key=list(origin.values()).count) if origin else "."
         for issue in result.issues:
