@@ -6,6 +6,8 @@ A 4 x 2-rank checkpoint (world 8, 192 KiB a rank) is ingested in this process; t
   from the replica, the others move nothing but the shared file they never held; the bytes moved
   are the bytes needed; each folder holds exactly its ranks' files, verified and committed;
 - a rotten rank in the only replica is refused (exit 1, nothing committed);
+- a store answering 503 SlowDown to the herd is retried, never read as "nothing there", and no node
+  lists the bucket; one that keeps answering 503 is an exit 2 that records nothing;
 - one node cannot restore its part of the newest step: it exits 1, the failure is recorded, and in
   the next round every node restores the same older step (and `resume-point` says so on each).
 """
@@ -28,6 +30,7 @@ from safepoint.core.format import MARKER_NAME
 from safepoint.core.states import CheckpointState as CS
 from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.ingest import ingest
+from tests.faultproxy import Fault
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "fleet"
@@ -41,6 +44,7 @@ pytestmark = [pytest.mark.catalog_backends, pytest.mark.slow]
 class FleetNodes:
     def __init__(self, base: Path, catalog_url: str, replica: str):
         self.base, self.catalog_url, self.replica = base, catalog_url, replica
+        self.endpoint: str | None = None   # the nodes' S3 endpoint, when not the server's own
 
     def folder(self, node: str, step: int | str) -> Path:
         return self.base / node / "nvme" / RUN / f"step-{step}"
@@ -51,6 +55,8 @@ class FleetNodes:
         env = {**os.environ, "SAFEPOINT_HOME": str(home), "SAFEPOINT_CATALOG_URL": self.catalog_url,
                "SAFEPOINT_NODE": node, "PYTHONPATH": str(REPO), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         env.pop("SAFEPOINT_CONFIG", None)
+        if self.endpoint:
+            env["AWS_ENDPOINT_URL"] = self.endpoint
         return env
 
     def write(self, step: int) -> dict[str, Path]:
@@ -165,3 +171,26 @@ def test_one_node_cannot_restore_the_newest_step_so_every_node_takes_the_same_ol
         assert snap.verify().outcome is CS.VERIFIED and snap.manifest.held_ranks == ranks
     points = {n: json.loads(fleet.cli(n, "resume-point", "--run", RUN, "--json").stdout)["step"] for n in NODES}
     assert points == {n: 1 for n in NODES}
+
+
+def test_slowdown_is_retried_never_read_as_nothing_there_and_nobody_lists(fleet, fault_proxy, catalog):
+    shutil.rmtree(fleet.folder("n1", 2))
+    fleet.endpoint = fault_proxy.endpoint
+    fault_proxy.add(Fault("status", method="GET", times=6))    # 503 SlowDown, the herd's first requests
+    fault_proxy.add(Fault("status", method="HEAD", times=3))
+    got = fleet.restore_all()
+    assert {n: (rc, doc["step"]) for n, (rc, doc, _e) in got.items()} == {n: (0, 2) for n in NODES}
+    assert len(fault_proxy.injected) == 9
+    listing = [t for m, t in fault_proxy.requests if m == "GET" and ("list-type" in t or "prefix=" in t)]
+    assert listing == []
+    # A store that keeps answering 503: exit 2 in one line, nothing committed, nothing recorded as missing.
+    shutil.rmtree(fleet.folder("n1", 2))
+    fault_proxy.add(Fault("status", times=None))
+    (fleet.base / "n1" / "home" / "config.toml").write_text(
+        f'[storage."s3://{fleet.s3.bucket}"]\nretry_attempts = 2\nretry_base_s = 0.01\n')
+    rc, doc, err = fleet.restore_all(nodes=("n1",))["n1"]
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and "nothing was committed" in err
+    assert not (fleet.folder("n1", 2) / MARKER_NAME).exists()
+    row = catalog.get(RUN, 2)
+    assert row.state is CS.VERIFIED and [r.state.value for r in catalog.replicas(row.id)] == ["verified"]
