@@ -226,3 +226,15 @@ def test_every_rank_is_the_whole_restore(fleet, catalog, cfg):
     result = restore("fr", base / "into", catalog=catalog, config=cfg, ranks=range(WORLD))
     assert result.ranks is None
     assert digest_bytes((base / "into" / "MANIFEST.json").read_bytes()) == catalog.get("fr", 1).manifest_blake3
+
+
+def test_sp_dcp_restores_the_part_for_the_same_topology_and_the_whole_for_a_reshard(fleet, catalog, cfg):
+    from safepoint.integrations import dcp as sp_dcp
+
+    base, _durable, _folders = fleet
+    same = sp_dcp.restore("fr", base / "same" / "step-{step}", node="n2", world_size=WORLD, catalog=catalog,
+                          config=cfg)
+    assert same.ranks == (4, 5) and LocalSnapshot.open(same).manifest.held_ranks == (4, 5)
+    other = sp_dcp.restore("fr", base / "reshard" / "step-{step}", node="n2", world_size=4, catalog=catalog,
+                           config=cfg)
+    assert other.ranks is None and LocalSnapshot.open(other).manifest.held_ranks == tuple(range(WORLD))
