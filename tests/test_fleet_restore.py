@@ -238,3 +238,14 @@ def test_sp_dcp_restores_the_part_for_the_same_topology_and_the_whole_for_a_resh
     other = sp_dcp.restore("fr", base / "reshard" / "step-{step}", node="n2", world_size=4, catalog=catalog,
                            config=cfg)
     assert other.ranks is None and LocalSnapshot.open(other).manifest.held_ranks == tuple(range(WORLD))
+
+
+def test_the_light_catalog_reads_ranks_as_the_catalog_proper(fleet, sqlite_catalog):
+    """A fleet restore on a SQLite catalog scopes by the rank rows without loading SQLAlchemy (catalog.lite)."""
+    from safepoint.catalog.lite import LiteCatalog, open_fast
+
+    lite = open_fast(sqlite_catalog.url)
+    assert isinstance(lite, LiteCatalog)
+    cid = sqlite_catalog.get("fr", 1).id
+    assert lite.ranks(cid) == sqlite_catalog.ranks(cid) and len(lite.ranks(cid)) == WORLD
+    assert lite._proper is None, [k for k in vars(lite)]
