@@ -79,7 +79,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def register(sub: Commands) -> None:
     s = sub.add_parser("restore")
     s.add_argument("--run", required=True, help="the run to restore")
-    s.add_argument("--into", required=True, metavar="DIR", help="local folder; ends as a committed snapshot")
+    s.add_argument("--into", required=True, metavar="DIR",
+                   help="local folder; ends as a committed snapshot ({step} in it: the step chosen)")
     s.add_argument("--step", type=step_arg,
                    help="this checkpoint exactly (no fallback: exit 1 if it has no whole copy)")
     s.add_argument("--from", dest="sources", action="append", metavar="URL",
