@@ -249,3 +249,19 @@ def test_the_light_catalog_reads_ranks_as_the_catalog_proper(fleet, sqlite_catal
     cid = sqlite_catalog.get("fr", 1).id
     assert lite.ranks(cid) == sqlite_catalog.ranks(cid) and len(lite.ranks(cid)) == WORLD
     assert lite._proper is None, [k for k in vars(lite)]
+
+
+def test_a_restored_part_serves_again_as_that_nodes_local_part(fleet, catalog, cfg):
+    """n1's part restored into its own folder; every replica then gone: the whole checkpoint still comes
+    back from the three nodes' folders, the restored one included, as the recorded whole."""
+    base, durable, folders = fleet
+    shutil.rmtree(folders["n1"])
+    restore("fr", folders["n1"], catalog=catalog, config=cfg, node="n1")
+    for d in durable:
+        shutil.rmtree(d[len("file://"):])
+    result = restore("fr", base / "whole", 1, catalog=catalog, config=cfg)
+    snap = LocalSnapshot.open(base / "whole")
+    assert digest_bytes(snap.manifest_bytes) == catalog.get("fr", 1).manifest_blake3
+    assert snap.verify().outcome is CS.VERIFIED
+    assert set(result.bytes_from) == {"local"} and result.sources == [str(folders[n]) for n in NODES]
+    assert {f["state"] for f in result.failed} == {"missing"}  # the replicas that are gone, none of the folders
