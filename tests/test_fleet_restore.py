@@ -265,3 +265,15 @@ def test_a_restored_part_serves_again_as_that_nodes_local_part(fleet, catalog, c
     assert snap.verify().outcome is CS.VERIFIED
     assert set(result.bytes_from) == {"local"} and result.sources == [str(folders[n]) for n in NODES]
     assert {f["state"] for f in result.failed} == {"missing"}  # the replicas that are gone, none of the folders
+
+
+def test_a_single_node_checkpoint_is_its_own_part(tmp_path, catalog, cfg):
+    folder = tmp_path / "solo" / "step-3"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.ones(4)}, folder / "model.pt")
+    commit(folder, "solo", 3)
+    ingest(folder, [(tmp_path / "durable").as_uri()], catalog, cfg)
+    result = restore("solo", tmp_path / "into", catalog=catalog, config=cfg, node="any-node")
+    assert result.ranks is None and LocalSnapshot.open(tmp_path / "into").verify().outcome is CS.VERIFIED
+    with pytest.raises(BadScope, match="rank 1 is not in the checkpoint"):
+        restore("solo", tmp_path / "into2", catalog=catalog, config=cfg, ranks=[1])

@@ -63,7 +63,7 @@ from safepoint.core.naming import this_host
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.local.atomic import fsync_dir, write_replace
-from safepoint.local.snapshot import LocalSnapshot
+from safepoint.local.snapshot import LocalSnapshot, read_small
 from safepoint.ops.fetch import LOCAL, Fetched, Scope, TargetDiskError, commit_fetched, fetch_snapshot
 from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
@@ -243,10 +243,13 @@ def scope_of(choice: _Choice, node: str | None, ranks: Sequence[int] | None) -> 
         return None
     holders = [(r, n) for r, n, _p, _d in choice.holders]
     try:
+        if choice.world_size <= 1:  # one node's checkpoint: its part is the whole
+            scope_ranks(1, holders, ranks=ranks if ranks is not None else (0,))
+            return None
         want = scope_ranks(choice.world_size, holders, node=node, ranks=ranks)
     except ScopeError as e:
         raise BadScope(f"{e}") from None
-    if choice.world_size <= 1 or set(want) == set(range(choice.world_size)):
+    if set(want) == set(range(choice.world_size)):
         return None  # every rank: the whole checkpoint, as a whole
     if node is None:
         owners = {n for r, n in holders if r in want}
@@ -281,8 +284,8 @@ def part_scope(scoped: _Scoped, into: Path) -> Scope:
 def _committed(into: Path) -> tuple[Manifest, bytes, bytes] | None:
     """The folder's committed manifest and marker bytes, or None (absent, unreadable, not committed)."""
     try:
-        mb, kb = (into / MANIFEST_NAME).read_bytes(), (into / MARKER_NAME).read_bytes()
-        return load_committed(mb, kb), mb, kb
+        mb, kb = read_small(into / MANIFEST_NAME), read_small(into / MARKER_NAME)
+        return (load_committed(mb, kb), mb, kb) if mb is not None and kb is not None else None
     except (OSError, FormatError):
         return None
 
