@@ -1,7 +1,7 @@
 """Fleet restart across separate processes: 4 nodes (each its own SAFEPOINT_HOME, one `safepoint restore`
 process per node, all at once), one shared catalog (SQLite and PostgreSQL), one SeaweedFS replica.
 
-A 4 x 2-rank checkpoint (world 8, 192 KiB a rank) is ingested in this process; then:
+A 4 x 2-rank checkpoint (world 8, 192 KiB a rank) is replicated and assembled in this process; then:
 - node n1 is replaced (its folder gone) and every node restores its part at once: n1's part comes
   from the replica, the others move nothing but the shared file they never held; the bytes moved
   are the bytes needed; each folder holds exactly its ranks' files, verified and committed;
@@ -29,7 +29,8 @@ from safepoint.core.config import Config
 from safepoint.core.format import MARKER_NAME
 from safepoint.core.states import CheckpointState as CS
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops.ingest import ingest
+from safepoint.ops.assemble import replicate_part_to, settle_part
+from safepoint.ops.steps import register
 from tests.faultproxy import Fault
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,9 +99,16 @@ def fleet(tmp_path, catalog, catalog_url, s3_env, monkeypatch):
     cfg = Config()
 
     def add(step: int) -> None:
+        # Each part replicated and the set assembled as ingest does; the dry-run load (which would read
+        # the assembled set back) is left out: tests/test_fleet_restore.py ingests for real.
         for folder in f.write(step).values():
-            ingest(folder, [f.replica], catalog, cfg)
-        assert catalog.get(RUN, step).state is CS.VERIFIED
+            snap = LocalSnapshot.open(folder)
+            row = register(catalog, snap)
+            settle_part(catalog, row.id, snap, [replicate_part_to(catalog, row.id, snap, f.replica, cfg)],
+                        [f.replica], cfg)
+        assert catalog.get(RUN, step).state is CS.REPLICATED
+        catalog.transition(row.id, CS.VALIDATING)
+        catalog.transition(row.id, CS.VERIFIED)
 
     add(2)
     f.add, f.s3 = add, s3_env
@@ -145,6 +153,10 @@ def test_four_nodes_one_replaced_move_only_what_is_missing(fleet):
 
 
 def test_a_rotten_rank_in_the_only_replica_is_refused(fleet):
+    # First, a rank the checkpoint does not have: exit 2, one line, nothing written.
+    got = fleet.cli("n1", "restore", "--run", RUN, "--into", str(fleet.base / "x"), "--ranks", "6-8")
+    assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1 and "rank 8" in got.stderr
+    assert not (fleet.base / "x" / MARKER_NAME).exists()
     shutil.rmtree(fleet.folder("n1", 2))
     _rot(fleet, 2, "rank03.pt")
     rc, doc, err = fleet.restore_all("--step", "2", nodes=("n1",))["n1"]
@@ -152,9 +164,6 @@ def test_a_rotten_rank_in_the_only_replica_is_refused(fleet):
     assert doc["restored"] is False and "rank03.pt" in err
     assert len(err.strip().splitlines()) == 1
     assert not (fleet.folder("n1", 2) / MARKER_NAME).exists()
-    # A rank the checkpoint does not have: exit 2, one line.
-    got = fleet.cli("n1", "restore", "--run", RUN, "--into", str(fleet.base / "x"), "--ranks", "6-8")
-    assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1 and "rank 8" in got.stderr
 
 
 def test_one_node_cannot_restore_the_newest_step_so_every_node_takes_the_same_older_one(fleet):
