@@ -22,6 +22,7 @@ from safepoint.local.snapshot import LocalSnapshot
 from safepoint.ops.ingest import ingest
 from safepoint.ops.restore import BadScope, NothingToRestore, restore
 from safepoint.ops.resume import find_resume_point
+from safepoint.ops.steps import register, replicate_to, settle
 from safepoint.rules.restore import (
     ScopeError,
     file_rank,
@@ -272,8 +273,24 @@ def test_a_single_node_checkpoint_is_its_own_part(tmp_path, catalog, cfg):
     folder.mkdir(parents=True)
     torch.save({"w": torch.ones(4)}, folder / "model.pt")
     commit(folder, "solo", 3)
-    ingest(folder, [(tmp_path / "durable").as_uri()], catalog, cfg)
+    snap = LocalSnapshot.open(folder)  # replicated and recorded verified (no dry-run load: not what is tested)
+    row = register(catalog, snap)
+    settle(catalog, row.id, [replicate_to(catalog, row.id, snap, (tmp_path / "durable").as_uri(), cfg)])
+    catalog.transition(row.id, CS.VALIDATING)
+    catalog.transition(row.id, CS.VERIFIED)
     result = restore("solo", tmp_path / "into", catalog=catalog, config=cfg, node="any-node")
     assert result.ranks is None and LocalSnapshot.open(tmp_path / "into").verify().outcome is CS.VERIFIED
     with pytest.raises(BadScope, match="rank 1 is not in the checkpoint"):
         restore("solo", tmp_path / "into2", catalog=catalog, config=cfg, ranks=[1])
+
+
+def test_any_ranks_for_a_node_that_takes_over(fleet, catalog, cfg, monkeypatch):
+    """`--ranks` across two nodes' parts: exactly those ranks' files and the shared one, under this host's name."""
+    base, durable, _folders = fleet
+    monkeypatch.setenv("SAFEPOINT_NODE", "spare-1")
+    result = restore("fr", base / "spare", catalog=catalog, config=cfg, ranks=[1, 2])
+    m = LocalSnapshot.open(base / "spare").manifest
+    assert (m.held_ranks, m.node, result.node) == ((1, 2), "spare-1", "spare-1")
+    assert _files(base / "spare") == {"rank01.pt", "rank02.pt", "config.json", "MANIFEST.json", "COMMITTED"}
+    # The ranks of one node, without --node: committed under that node's name.
+    assert restore("fr", base / "n2-ranks", catalog=catalog, config=cfg, ranks=[4, 5]).node == "n2"
