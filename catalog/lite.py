@@ -39,6 +39,8 @@ _CHECKPOINT = (
     "c.tags, c.metrics, c.error, c.version, c.parent_run, c.parent_step "
     "FROM checkpoints c JOIN runs r ON c.run_id = r.id WHERE r.name = ? AND c.step = ?")
 _RANKS = "SELECT rank FROM checkpoint_ranks WHERE checkpoint_id = ? ORDER BY rank"
+_RANK_ROWS = ("SELECT rank, node, local_path, manifest_blake3, delivered_at FROM checkpoint_ranks "
+              "WHERE checkpoint_id = ? ORDER BY rank")
 _REPLICAS = ("SELECT id, checkpoint_id, url, destination, state, bytes, verified_at, error, created_at, updated_at, "
              "proof FROM replicas WHERE checkpoint_id = ? ORDER BY id")
 _EVENT = ("INSERT INTO events (checkpoint_id, run_id, at, kind, detail) VALUES "
@@ -122,6 +124,13 @@ class LiteCatalog:
         return [ReplicaRow(id=i, checkpoint_id=c, url=u, destination=d, state=ReplicaState(s), bytes=b,
                            verified_at=t(v), error=e, created_at=t(ca), updated_at=t(ua), proof=p)
                 for i, c, u, d, s, b, v, e, ca, ua, p in rows]
+
+    def ranks(self, checkpoint_id: int) -> list[dict[str, Any]]:
+        """Catalog.ranks: each delivered rank's node, folder and part digest (a fleet restore scopes by them)."""
+        with self._connect() as con:
+            rows = con.execute(_RANK_ROWS, (checkpoint_id,)).fetchall()
+        return [{"rank": r, "node": n, "local_path": p, "manifest_blake3": d, "delivered_at": listing.parse_time(t)}
+                for r, n, p, d, t in rows]
 
     def get_run_id(self, name: str) -> int | None:
         with self._connect() as con:

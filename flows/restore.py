@@ -15,10 +15,12 @@ from safepoint.tasks.runner import PrefectSteps
 
 @flow(name="safepoint-restore", validate_parameters=True)
 def restore(run: str, into: str, step: int | None = None, sources: list[str] | None = None, min_replicas: int = 1,
-            force: bool = False, catalog_url: str | None = None) -> dict[str, Any]:
-    """Restore `run`'s resume point (or `step`) into the folder `into`, verified."""
+            force: bool = False, catalog_url: str | None = None, node: str | None = None,
+            ranks: list[int] | None = None) -> dict[str, Any]:
+    """Restore `run`'s resume point (or `step`) into the folder `into`, verified (`node`/`ranks`: one part)."""
     route_to_run_logs()
     config = load_config()
     catalog = open_catalog(catalog_url or config.catalog_url)
     return restore_checkpoint(run, into, step, sources=sources or (), min_replicas=min_replicas, force=force,
-                              catalog=catalog, config=config, runner=PrefectSteps()).to_dict()
+                              catalog=catalog, config=config, runner=PrefectSteps(), node=node,
+                              ranks=ranks).to_dict()

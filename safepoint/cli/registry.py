@@ -143,10 +143,14 @@ COMMANDS: dict[str, Command] = {
         "or invalid, each fire an automation (with --notify, a notification through that block)."),
     "restore": Command(
         "restore the resume point (or --step) into DIR, every byte verified", ("safepoint.cli.restore_cmds",),
-        ("0  restored", "1  no whole copy of anything in scope (with --step: of that step)", ERROR),
+        ("0  restored", "1  no whole copy of anything in scope (with --step, --node or --ranks: of that step or "
+         "part)", ERROR),
         "Bring the resume point (or --step) back into DIR from the local copy or the replicas, every byte "
         "BLAKE3-verified as it arrives. A bad file is fetched from the next replica and the bad replica "
-        "marked; without --step it falls back to the next older checkpoint when no copy is whole."),
+        "marked; without --step it falls back to the next older checkpoint when no copy is whole. On a "
+        "fleet restart each node brings back its own part (--node, or --ranks) and all agree on the step: "
+        "a node whose part has no whole copy records it and exits 1, and the round runs again "
+        "(docs/fleet-restore.md)."),
 }
 
 

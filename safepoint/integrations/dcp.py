@@ -22,7 +22,9 @@ future Safepoint returns completes once the folder is sealed, and fails if the s
 Saving a step again into its sealed folder (a resumed run) re-seals it: the old seal goes first.
 To resume: `sp_dcp.load(state_dict, safepoint.restore(run, into))` (`dcp.load`, and the restored
 checkpoint becomes the parent of the next one saved), or point
-torchtitan's `checkpoint.folder` at the restored folder's parent.
+torchtitan's `checkpoint.folder` at the restored folder's parent. A multi-node restart restores
+each node's own part: `sp_dcp.restore(run, "ckpt/step-{step}", node=NODE, world_size=WORLD)`
+(the whole checkpoint instead when the world size changed: a reshard; see `restore`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from safepoint.integrations.sealing import (
 from safepoint.local.snapshot import is_committed
 from safepoint.validation.loaders.dcp import METADATA_NAME
 
-__all__ = ["async_save", "load", "save", "seal_finished", "seal_when_saved"]
+__all__ = ["async_save", "load", "restore", "save", "seal_finished", "seal_when_saved"]
 
 log = logging.getLogger("safepoint.integrations")
 
@@ -157,3 +159,32 @@ def seal_finished(root: str | os.PathLike, *, run: str, emit_to: Sequence[str] =
         if seal_and_announce(folder, step_of_folder(folder) or 0, options) is not None:
             sealed.append(folder)
     return sealed
+
+
+# -- the restore side (a fleet restart) ----------------------------------------------------------
+
+def restore(run: str, into: str | os.PathLike, *, node: str | None = None, world_size: int | None = None,
+            step: int | None = None, **restore_kwargs: Any) -> Any:
+    """Bring back what this node's ranks will `dcp.load`: its own part for a same-topology restart,
+    the whole checkpoint for a reshard. Returns safepoint.restore's RestoreResult (a path).
+
+    Same topology (`world_size` is the checkpoint's, or not given, and `node` given): each rank
+    reads only the `__<rank>_*.distcp` files it wrote and `.metadata`, so the node's part is enough
+    and the fleet moves only what it lost. Another world size: DCP reshards at load time, where each
+    new rank reads every saved shard that overlaps what it now owns, which `.metadata`'s plan decides
+    per tensor; any file may be needed, so the node gets the whole checkpoint. Run it once per node,
+    every node without `step`: all get the same step or exit 1 (docs/fleet-restore.md).
+    """
+    from safepoint.ops.restore import choose
+    from safepoint.ops.restore import restore as restore_op
+
+    if node is not None and world_size is not None:
+        from safepoint.catalog.lite import open_fast
+        from safepoint.core.config import load_config
+
+        config = restore_kwargs.setdefault("config", load_config())
+        catalog = restore_kwargs.setdefault("catalog", open_fast(config.catalog_url))
+        chosen = choose(catalog, run, step, min_replicas=restore_kwargs.get("min_replicas", 1))
+        if chosen.world_size != world_size:  # a reshard: every rank may read any shard
+            return restore_op(run, into, chosen.step, **restore_kwargs)
+    return restore_op(run, into, step, node=node, **restore_kwargs)

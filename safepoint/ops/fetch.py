@@ -12,7 +12,9 @@ it into `into`, several at once:
   file); a source found bad is reported in the attempts, with the reason, for the catalog;
 - files already in `into` that verify are reused (a fetch cut short is finished by running it again);
 - a source that is one node's part (`Source.part`: the digest its manifest must have) supplies only
-  the files it holds; when no whole source binds the manifest, the parts' merge must (multi-node).
+  the files it holds; when no whole source binds the manifest, the parts' merge must (multi-node);
+- `scope` narrows the fetch to some of the files (a fleet restore of one node's part): the whole
+  manifest is still read and held to the catalog's digest first, and every file to its entry there.
 
 `commit_fetched(into, fetched)` then writes MANIFEST.json and COMMITTED (the source's exact bytes), fsynced:
 `into` is a committed Safepoint snapshot. `fetched_copy(...)` does both into a temporary folder
@@ -59,6 +61,9 @@ from safepoint.rules.restore import Attempt, Outcome, Source, Verdict, checkpoin
 __all__ = ["Fetched", "TargetDiskError", "fetch_snapshot", "commit_fetched", "fetched_copy"]
 
 OnBytes = Callable[[int], None]
+#: scope(whole manifest, its BLAKE3) -> (the manifest to fetch and commit, its bytes, its marker's bytes)
+Scope = Callable[[Manifest, str], tuple[Manifest, bytes, bytes]]
+LOCAL = "local"   # the key of bytes_from for the local folder and the node's own copies
 
 
 class TargetDiskError(SafepointError):
@@ -79,6 +84,9 @@ class Fetched:
     used: list[str] = field(default_factory=list)   # urls of the sources that supplied bytes
     fetched: int = 0                                # bytes fetched
     reused: int = 0                                 # bytes already in the folder, re-hashed
+    bytes_from: dict[str, int] = field(default_factory=dict)  # "local" or a replica's base URL -> bytes
+    whole: Manifest | None = None                   # a scoped fetch: the whole manifest it was held to
+    whole_bytes: bytes = b""
 
 
 class _Reader:
@@ -111,8 +119,12 @@ def _open_reader(source: Source, run: str, step: int, config: Config) -> _Reader
     return _Reader(source, run, step, open_destination(source.base, config.storage_options(source.base)))
 
 
-def _read_manifest(reader: _Reader, run: str, step: int, expect_blake3: str | None) -> tuple[Manifest, bytes, bytes]:
+def _read_manifest(reader: _Reader, run: str, step: int, expect_blake3: str | None,
+                   part_of: str | None = None) -> tuple[Manifest, bytes, bytes]:
     """The source's manifest, bound by its marker, for (run, step), and the catalog's if it has one.
+
+    `part_of`: a part source may instead be a part restored earlier from the whole manifest of
+    that digest (its meta says so); it then supplies only files whose entries are the whole's.
 
     FormatError: the source's copy is bad; FileNotFoundError: it has none; others: unreadable.
     """
@@ -124,7 +136,8 @@ def _read_manifest(reader: _Reader, run: str, step: int, expect_blake3: str | No
     assert manifest_bytes is not None
     if (manifest.run, manifest.step) != (run, step):
         raise FormatError(f"its manifest is of {manifest.run}/{manifest.step}")
-    if expect_blake3 is not None and digest_bytes(manifest_bytes) != expect_blake3:
+    if (expect_blake3 is not None and digest_bytes(manifest_bytes) != expect_blake3
+            and (part_of is None or manifest.meta.get("part_of") != part_of)):
         raise FormatError("its MANIFEST.json is not the one the catalog recorded (a stale or foreign copy)")
     return manifest, manifest_bytes, marker
 
@@ -151,24 +164,25 @@ def _on_disk(into: Path, entries: Sequence[FileEntry]) -> dict[str, int | None]:
 
 def fetch_snapshot(run: str, step: int, sources: Sequence[Source], into: Path, *, config: Config,
                    expect_manifest: str | None = None, files_at_once: int = 8, on_bytes: OnBytes | None = None,
-                   prepare: Callable[[Manifest, str], None] | None = None) -> Fetched:
+                   prepare: Callable[[Manifest, str], None] | None = None, scope: Scope | None = None) -> Fetched:
     """Every file of (run, step) from `sources` (best first) into `into`, verified; not yet sealed.
 
     `expect_manifest`: the BLAKE3 of the MANIFEST.json the catalog recorded (a source with another
     is bad). `prepare(manifest, its BLAKE3)` runs once the manifest is known, before any file is
     written (restore readies its target folder there). Raises TargetDiskError when `into` cannot
-    be written; every other failure is in the result (verdict and attempts).
+    be written; every other failure is in the result (verdict and attempts). `scope`: see Scope.
     """
     readers = [_open_reader(s, run, step, config) for s in sources]
     try:
-        return _fetch(run, step, readers, into, expect_manifest, files_at_once, on_bytes, prepare)
+        return _fetch(run, step, readers, into, expect_manifest, files_at_once, on_bytes, prepare, scope)
     finally:
         for r in readers:
             r.close()
 
 
 def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str | None, files_at_once: int,
-           on_bytes: OnBytes | None, prepare: Callable[[Manifest, str], None] | None) -> Fetched:
+           on_bytes: OnBytes | None, prepare: Callable[[Manifest, str], None] | None,
+           scope: Scope | None = None) -> Fetched:
     attempts: dict[str, list[Attempt]] = {}
     good: list[_Reader] = []
     manifest = None
@@ -176,7 +190,8 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
     parts: list[tuple[Manifest, str]] = []
     for r in readers:
         try:
-            m, mb, kb = _read_manifest(r, run, step, r.source.part or expect)
+            m, mb, kb = _read_manifest(r, run, step, r.source.part or expect,
+                                       part_of=expect if r.source.part else None)
         except Exception as e:  # noqa: BLE001 - classified: bad, missing or unreadable
             outcome, reason = classify(e)
             attempts.setdefault(MANIFEST_NAME, []).append(Attempt(r.source, outcome, reason))
@@ -195,8 +210,15 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
     if manifest is None:
         verdict = file_verdict(attempts.get(MANIFEST_NAME, []), len(readers)) or Verdict.NO_COPY
         return Fetched(verdict if readers else Verdict.NO_COPY, attempts)
-    out = Fetched(Verdict.WHOLE, attempts, manifest, manifest_bytes, marker_bytes)
     assert expect is not None
+    out = Fetched(Verdict.WHOLE, attempts, manifest, manifest_bytes, marker_bytes)
+    if scope is not None:
+        out.whole, out.whole_bytes = manifest, manifest_bytes
+        whole_entries = {f.path: f for f in manifest.files}
+        manifest, out.manifest_bytes, out.marker_bytes = scope(manifest, expect)
+        if any(whole_entries.get(f.path) != f for f in manifest.files):
+            raise ValueError("a scope may only choose files of the whole manifest")
+        out.manifest = manifest
     if prepare is not None:
         prepare(manifest, expect)
 
@@ -206,6 +228,7 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
     for path in rehash:
         if hash_path(resolve_inside(into, path))[1] == by_path[path].blake3:
             out.reused += by_path[path].size
+            out.bytes_from[LOCAL] = out.bytes_from.get(LOCAL, 0) + by_path[path].size
             if on_bytes is not None:
                 on_bytes(by_path[path].size)
         else:
@@ -225,8 +248,10 @@ def _fetch(run: str, step: int, readers: list[_Reader], into: Path, expect: str 
             outcome, reason = _fetch_one(r, entry, tmp, final, on_bytes)
             tries.append(Attempt(r.source, outcome, reason))
             if outcome is Outcome.OK:
+                key = LOCAL if r.source.local else r.source.base
                 with lock:
                     used.add(r.source.url)
+                    out.bytes_from[key] = out.bytes_from.get(key, 0) + entry.size
                 break
         with lock:
             attempts.setdefault(entry.path, []).extend(tries)

@@ -106,7 +106,9 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
                                           "step": row.step, "state": str(row.state), "error": redact(str(e))})
         raise
     m = snap.manifest
-    if skip_if_verified and already_done(catalog, snap, to):
+    # A part restored from the whole (a fleet restart) is delivered already: replicating it again
+    # could only collide with the part it was cut from.
+    if (skip_if_verified or "part_of" in m.meta) and already_done(catalog, snap, to):
         row = catalog.get(m.run, m.step)
         log.info("%s/%s is already verified; nothing to do", row.run, row.step)
         out = steps.outcome(catalog, row.id, "already verified", part=_part(m))
@@ -204,12 +206,21 @@ def already_done(catalog: Catalog, snap: LocalSnapshot, to: list[str]) -> bool:
     digest = digest_bytes(snap.manifest_bytes)
     if is_part(m):
         mine = {r["rank"]: r["manifest_blake3"] for r in catalog.ranks(row.id)}
-        if any(mine.get(r) != digest for r in m.held_ranks):
+        if any(mine.get(r) != digest for r in m.held_ranks) and not _cut_from(catalog, row, m):
             return False
     elif row.manifest_blake3 != digest:
         return False
     verified = {r.destination for r in catalog.replicas(row.id) if r.state is RS.VERIFIED}
     return all(redact_url(u) in verified for u in to)
+
+
+def _cut_from(catalog: Catalog, row: Any, m: Manifest) -> bool:
+    """A part that a restore cut from this checkpoint's bound whole: every rank delivered, every file the catalog's."""
+    if row.manifest_blake3 is None or m.meta.get("part_of") != row.manifest_blake3:
+        return False
+    delivered = {r["rank"] for r in catalog.ranks(row.id)}
+    files = {f.path: f for f in catalog.files(row.id)}
+    return set(m.held_ranks) <= delivered and all(files.get(f.path) == f for f in m.files)
 
 
 def done_detail(snap: LocalSnapshot, snapshot: str, event_id: str | None, out: IngestOutcome,

@@ -21,6 +21,16 @@ Files already in `into` that verify are reused, so a restore cut short (kill -9,
 finished by running it again; until step 5, `into` holds no marker. When no copy of the chosen
 checkpoint is whole, the next older verified checkpoint is tried (not when `step` was given); a
 failure to read (network, store) is never taken for a bad copy, and a local disk error aborts.
+
+A fleet restart restores one node's part on each node (`node=` or `ranks=`, docs/fleet-restore.md):
+the whole manifest is read and held to the catalog's digest, and only the files of those ranks, with
+every file no rank owns (DCP's `.metadata`), are fetched: from the folder itself and the node's own
+part first, then the replicas in the configured order. `into` is committed as a part (its manifest
+names its ranks, world size and node). A scoped restore never falls back on its own: when its part
+has no whole copy, the replicas found bad are recorded (which moves the resume point back for every
+node), it says so in the catalog (`restore.part_failed`) and exits 1, and the launcher runs the
+round again, so no two nodes resume different steps. `into` may hold `{step}` (e.g.
+`/nvme/ckpt/step-{step}`), filled in with the step chosen.
 """
 
 from __future__ import annotations
@@ -39,21 +49,36 @@ from safepoint.catalog.views import CheckpointRow
 from safepoint.core import resumed
 from safepoint.core.config import Config, load_config
 from safepoint.core.errors import FormatError, SafepointError, UsageError
-from safepoint.core.format import MANIFEST_NAME, MARKER_NAME, TMP_PREFIX, Manifest, digest_bytes
+from safepoint.core.format import (
+    MANIFEST_NAME,
+    MARKER_NAME,
+    TMP_PREFIX,
+    Manifest,
+    build_manifest,
+    digest_bytes,
+    load_committed,
+    marker_for,
+)
+from safepoint.core.naming import this_host
 from safepoint.core.states import CheckpointState as CS
 from safepoint.core.states import ReplicaState as RS
 from safepoint.local.atomic import fsync_dir, write_replace
-from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops.fetch import Fetched, TargetDiskError, commit_fetched, fetch_snapshot
+from safepoint.local.snapshot import LocalSnapshot, read_small
+from safepoint.ops.fetch import LOCAL, Fetched, Scope, TargetDiskError, commit_fetched, fetch_snapshot
 from safepoint.ops.resume import find_resume_point
 from safepoint.ops.runner import INLINE, StepRunner
 from safepoint.rules.completeness import FileRow, copy_problem
 from safepoint.rules.restore import (
     Outcome,
+    ScopeError,
     Source,
     TargetAction,
     Verdict,
+    format_ranks,
+    part_meta,
     replica_findings,
+    scope_ranks,
+    scoped_files,
     source_order,
     target_action,
 )
@@ -81,6 +106,10 @@ class TargetNotEmpty(RestoreError, UsageError):
     """The folder holds something other than this checkpoint (use force=True to replace it)."""
 
 
+class BadScope(RestoreError, UsageError):
+    """A rank or node the checkpoint does not have (exit code 2)."""
+
+
 @dataclass
 class RestoreResult(os.PathLike):
     """What a restore did; also the restored folder itself (`os.fspath`, `str`, `/`, `Path(...)`), so a
@@ -95,10 +124,16 @@ class RestoreResult(os.PathLike):
     seconds: float = 0.0
     failed: list[dict[str, str]] = field(default_factory=list)        # sources found bad: url, state, reason
     fell_back_from: list[dict[str, Any]] = field(default_factory=list)  # step, reason
+    bytes_from: dict[str, int] = field(default_factory=dict)  # "local" (folder, own part) or replica base -> bytes
+    ranks: tuple[int, ...] | None = None      # a scoped restore: the ranks brought back
+    node: str | None = None                   # ... and the node its part is committed under
+    world_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "step": self.step, "path": str(self.path), "sources": self.sources,
                 "bytes_fetched": self.bytes_fetched, "bytes_reused": self.bytes_reused,
+                "bytes_from": {LOCAL: 0, **self.bytes_from}, "world_size": self.world_size,
+                "ranks": list(self.ranks) if self.ranks is not None else None, "node": self.node,
                 "seconds": round(self.seconds, 3), "failed": self.failed, "fell_back_from": self.fell_back_from}
 
     def __fspath__(self) -> str:
@@ -178,16 +213,81 @@ class _Choice:
     world_size: int = 1
     parts: tuple[tuple[str, str], ...] = ()  # multi-node: (local folder, part manifest BLAKE3), rank order
     files: tuple[FileRow, ...] = ()          # the catalog's per-file rows (multi-node, no whole digest)
+    holders: tuple[tuple[int, str | None, str | None, str | None], ...] = ()  # rank, node, folder, part BLAKE3
 
 
 def _choice(catalog: Catalog, row: CheckpointRow, replicas: tuple[tuple[str, str], ...]) -> _Choice:
     if row.world_size <= 1:
         return _Choice(row.id, row.step, row.manifest_blake3, row.local_path, replicas, row.total_bytes)
-    parts = tuple(dict.fromkeys((r["local_path"], r["manifest_blake3"]) for r in catalog.ranks(row.id)
+    rows = catalog.ranks(row.id)
+    parts = tuple(dict.fromkeys((r["local_path"], r["manifest_blake3"]) for r in rows
                                 if r["local_path"] and r["manifest_blake3"]))
+    holders = tuple((r["rank"], r["node"], r["local_path"], r["manifest_blake3"]) for r in rows)
     files = () if row.manifest_blake3 else tuple((f.path, f.size, f.blake3) for f in catalog.files(row.id))
     return _Choice(row.id, row.step, row.manifest_blake3, None, replicas, row.total_bytes, row.world_size,
-                   parts, files)
+                   parts, files, holders)
+
+
+@dataclass(frozen=True)
+class _Scoped:
+    """A fleet restore's part: the ranks, the node it is committed under, and its own copies."""
+
+    ranks: tuple[int, ...]
+    node: str | None
+    parts: tuple[tuple[str, str], ...]   # the node's own part folders (those holding any of the ranks)
+
+
+def scope_of(choice: _Choice, node: str | None, ranks: Sequence[int] | None) -> _Scoped | None:
+    """The part to restore (None: the whole checkpoint); BadScope for a rank or node it does not have."""
+    if node is None and ranks is None:
+        return None
+    holders = [(r, n) for r, n, _p, _d in choice.holders]
+    try:
+        if choice.world_size <= 1:  # one node's checkpoint: its part is the whole
+            scope_ranks(1, holders, ranks=ranks if ranks is not None else (0,))
+            return None
+        want = scope_ranks(choice.world_size, holders, node=node, ranks=ranks)
+    except ScopeError as e:
+        raise BadScope(f"{e}") from None
+    if set(want) == set(range(choice.world_size)):
+        return None  # every rank: the whole checkpoint, as a whole
+    if node is None:
+        owners = {n for r, n in holders if r in want}
+        node = owners.pop() if len(owners) == 1 and None not in owners else this_host()
+    own = tuple(dict.fromkeys((p, d) for r, _n, p, d in choice.holders if r in want and p and d))
+    return _Scoped(want, node, own)
+
+
+def part_scope(scoped: _Scoped, into: Path) -> Scope:
+    """The Scope of fetch_snapshot: the part's manifest, made from the whole one (pure and deterministic,
+    so every node restoring the same ranks commits the same bytes), or the folder's own committed part
+    when it is exactly that part already (a node's own checkpoint folder stays as it was sealed)."""
+    held = _committed(into)
+
+    def scope(whole: Manifest, whole_blake3: str) -> tuple[Manifest, bytes, bytes]:
+        keep = set(scoped_files((f.path for f in whole.files), whole.world_size, scoped.ranks))
+        files = tuple(f for f in whole.files if f.path in keep)
+        if held is not None:
+            m, mb, kb = held
+            if ((m.run, m.step, m.world_size, tuple(sorted(m.held_ranks)), m.node, m.files)
+                    == (whole.run, whole.step, whole.world_size, scoped.ranks, scoped.node, files)):
+                return m, mb, kb
+        part = build_manifest(whole.run, whole.step, list(files), created=whole.created,
+                              world_size=whole.world_size, ranks=scoped.ranks, node=scoped.node,
+                              parent=whole.parent, meta=part_meta(whole.meta, whole_blake3))
+        data = part.to_json_bytes()
+        return part, data, marker_for(data, part).to_json_bytes()
+
+    return scope
+
+
+def _committed(into: Path) -> tuple[Manifest, bytes, bytes] | None:
+    """The folder's committed manifest and marker bytes, or None (absent, unreadable, not committed)."""
+    try:
+        mb, kb = read_small(into / MANIFEST_NAME), read_small(into / MARKER_NAME)
+        return (load_committed(mb, kb), mb, kb) if mb is not None and kb is not None else None
+    except (OSError, FormatError):
+        return None
 
 
 def choose(catalog: Catalog | LiteCatalog, run: str, step: int | None, *, min_replicas: int = 1,
@@ -217,7 +317,7 @@ def choose(catalog: Catalog | LiteCatalog, run: str, step: int | None, *, min_re
 
 def fetch_checkpoint(run: str, choice: _Choice, sources: Sequence[Source], into: Path, *, force: bool,
                      config: Config, files_at_once: int = 8,
-                     on_bytes: Callable[[int], None] | None = None) -> Fetched:
+                     on_bytes: Callable[[int], None] | None = None, scoped: _Scoped | None = None) -> Fetched:
     """Steps 3 and 4 (safepoint.ops.fetch): find the manifest, then every file whole in `into` (not committed)."""
 
     def prepare(manifest: Manifest, manifest_blake3: str) -> None:
@@ -230,18 +330,21 @@ def fetch_checkpoint(run: str, choice: _Choice, sources: Sequence[Source], into:
 
     try:
         return fetch_snapshot(run, choice.step, sources, into, config=config, expect_manifest=choice.manifest_blake3,
-                              files_at_once=files_at_once, on_bytes=on_bytes, prepare=prepare)
+                              files_at_once=files_at_once, on_bytes=on_bytes, prepare=prepare,
+                              scope=part_scope(scoped, into) if scoped is not None else None)
     except TargetDiskError as e:
         raise RestoreError(f"{e}; nothing was committed "
                            "(free space and run the restore again: files that verify are kept)") from e.__cause__
 
 
 def whole_problem(choice: _Choice, fetched: Fetched) -> str | None:
-    """Why a multi-node fetch is not the checkpoint the catalog recorded with every rank, or None."""
-    m = fetched.manifest
+    """Why a multi-node fetch is not the checkpoint the catalog recorded with every rank, or None.
+
+    A scoped fetch is held to it through the whole manifest it was cut from."""
+    m = fetched.whole or fetched.manifest
     if choice.world_size <= 1 or m is None or fetched.verdict is not Verdict.WHOLE:
         return None
-    return copy_problem(choice.world_size, m.held_ranks, digest_bytes(fetched.manifest_bytes),
+    return copy_problem(choice.world_size, m.held_ranks, digest_bytes(fetched.whole_bytes or fetched.manifest_bytes),
                         ((f.path, f.size, f.blake3) for f in m.files), recorded=choice.manifest_blake3,
                         recorded_files=choice.files)
 
@@ -290,17 +393,21 @@ def restore(
     on_bytes: Callable[[int], None] | None = None,
     say: Callable[[str], None] | None = None,
     runner: StepRunner = INLINE,
+    node: str | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> RestoreResult:
     """Restore `run`'s resume point (or `step`) into the folder `into`, verified; see the module doc.
 
-    Returns a RestoreResult (`.step`, `.path`). Raises NothingToRestore when no checkpoint in scope
-    has a whole copy (with `step`: when that one has none), TargetNotEmpty when `into` holds
-    something else and not `force`, RestoreError on an infrastructure failure.
+    `node` / `ranks`: only that node's part, or those ranks (a fleet restart; `into` may hold
+    `{step}`). Returns a RestoreResult (`.step`, `.path`). Raises NothingToRestore when no
+    checkpoint in scope has a whole copy (with `step`, or scoped: when the one chosen has none),
+    BadScope for a rank or node the checkpoint lacks, TargetNotEmpty when `into` holds something
+    else and not `force`, RestoreError on an infrastructure failure.
     """
     t0 = time.perf_counter()
     config = config or load_config()
     catalog = catalog or open_fast(config.catalog_url)  # SQLite at head: no SQLAlchemy (catalog.lite)
-    target = Path(into).absolute()
+    into_text = os.fspath(into)
     prefer = [str(p) for p in config.section("restore").get("prefer", [])]
     say = say or (lambda _msg: None)
     fell_back: list[dict[str, Any]] = []
@@ -309,10 +416,12 @@ def restore(
     while True:
         choice = runner.run("choose checkpoint", choose, catalog, run, step, min_replicas=min_replicas,
                           max_step=max_step)
+        scoped = scope_of(choice, node, ranks)
+        target = Path(into_text.replace("{step}", str(choice.step))).absolute()
         srcs = source_order(choice.local_path, choice.replicas, run=run, step=choice.step, prefer=prefer,
-                            forced=sources, parts=choice.parts)
+                            forced=sources, parts=scoped.parts if scoped is not None else choice.parts)
         fetched = runner.run("fetch files", fetch_checkpoint, run, choice, srcs, target, force=force, config=config,
-                           files_at_once=files_at_once, on_bytes=on_bytes)
+                           files_at_once=files_at_once, on_bytes=on_bytes, scoped=scoped)
         failed = runner.run("record findings", record_findings, catalog, choice, fetched)
         problem = whole_problem(choice, fetched)
         if problem is not None:  # never commit a folder that is not the whole checkpoint
@@ -324,7 +433,9 @@ def restore(
         if fetched.verdict is Verdict.WHOLE:
             runner.run("commit", commit_restored, target, fetched)
             result = RestoreResult(run, choice.step, target, fetched.used, fetched.fetched, fetched.reused,
-                                   time.perf_counter() - t0, failed_all, fell_back)
+                                   time.perf_counter() - t0, failed_all, fell_back, dict(fetched.bytes_from),
+                                   scoped.ranks if scoped else None, scoped.node if scoped else None,
+                                   choice.world_size)
             catalog.add_event(EVENT, checkpoint_id=choice.checkpoint_id,
                               detail={**result.to_dict(), "path": str(target)})
             resumed.note_resumed(run, choice.step)  # the next checkpoint sealed here follows this one
@@ -341,6 +452,16 @@ def restore(
                     if a.outcome is Outcome.ERROR]
             raise RestoreError(f"{run}/{choice.step}: {reason} ({errs[0] if errs else 'no source'}); "
                                "nothing was committed")
+        if scoped is not None:  # the fleet must agree on the step: record, and let the round run again
+            part = f"ranks {format_ranks(scoped.ranks)}" + (f" (node {scoped.node})" if scoped.node else "")
+            catalog.add_event(f"{EVENT}.part_failed", checkpoint_id=choice.checkpoint_id,
+                              detail={"node": scoped.node, "ranks": list(scoped.ranks), "failed": failed,
+                                      "host": this_host()})
+            raise NothingToRestore(
+                f"{run}/{choice.step}: {part} has no whole copy in {len(srcs)} source(s)"
+                + (f" ({failed[0]['url']}: {failed[0]['reason']})" if failed else "")
+                + ("; recorded, the resume point moves back for every node: run the restore again on every node"
+                   if step is None else ""))
         if step is not None:
             raise NothingToRestore(f"{run}/{step}: no whole copy in {len(srcs)} source(s)"
                                    + (f" ({failed[0]['url']}: {failed[0]['reason']})" if failed else ""))

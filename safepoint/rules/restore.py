@@ -9,14 +9,19 @@
 - `file_verdict`: what the attempts at one file, source by source, add up to;
 - `checkpoint_verdict`: whether the checkpoint came back whole, has no whole copy (fall back to an
   older one), or could not be read (an infrastructure failure: never a reason to fall back);
-- `replica_findings`: which replicas turned out bad, with the reason, for the catalog.
+- `replica_findings`: which replicas turned out bad, with the reason, for the catalog;
+- a scoped (fleet) restore: `parse_ranks` reads `--ranks 0-7,16`, `scope_ranks` resolves `--node`
+  or `--ranks` against the checkpoint's recorded parts, `file_rank` / `scoped_files` pick the files
+  a set of ranks needs (its own, and every file no rank owns), `part_manifest` names the result.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from safepoint.core.urls import local_path
 
@@ -168,3 +173,103 @@ def replica_findings(attempts: Mapping[str, Sequence[Attempt]]) -> dict[Source, 
             if prev is None or (prev[0] == "missing" and state == "corrupt"):
                 out[a.source] = (state, f"{path}: {a.reason}" if a.reason else path)
     return out
+
+
+# -- a scoped restore: one node's part, or any set of ranks -------------------------------------
+
+class ScopeError(ValueError):
+    """A rank set or node that the checkpoint does not have (usage: exit 2)."""
+
+
+_MAX_RANKS = 1 << 20  # `--ranks 0-99999999999` must not build a list that fills memory
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`"0-7,16"` -> (0, 1, ..., 7, 16): sorted, without repeats. ScopeError on anything else."""
+    out: set[int] = set()
+    for item in str(text).split(","):
+        item = item.strip()
+        m = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", item)
+        if m is None:
+            raise ScopeError(f"ranks: {item!r} is not a rank or a range like 0-7 (e.g. --ranks 0-7,16)")
+        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if hi < lo:
+            raise ScopeError(f"ranks: {item!r} runs backwards")
+        if hi - lo + 1 + len(out) > _MAX_RANKS:
+            raise ScopeError(f"ranks: more than {_MAX_RANKS} ranks")
+        out.update(range(lo, hi + 1))
+    return tuple(sorted(out))
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5": the inverse of parse_ranks, for messages."""
+    rs = sorted(set(ranks))
+    spans: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        spans.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(spans)
+
+
+def scope_ranks(world_size: int, holders: Sequence[tuple[int, str | None]], *, node: str | None = None,
+                ranks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The ranks a scoped restore brings back: `ranks` (all within the world), or those `node` holds.
+
+    `holders`: (rank, node) as the catalog recorded each delivered rank. Both given: the ranks of
+    `ranks` (the node is then the name the restored part is committed under). ScopeError when a
+    rank is past the world or the node held none.
+    """
+    if ranks is not None:
+        wanted = tuple(sorted(set(ranks)))
+        if not wanted:
+            raise ScopeError("ranks: none given")
+        past = [r for r in wanted if r < 0 or r >= world_size]
+        if past:
+            raise ScopeError(f"rank {format_ranks(past)} is not in the checkpoint (world size {world_size}, "
+                             f"ranks 0-{world_size - 1})")
+        return wanted
+    if node is None:
+        return tuple(range(world_size))
+    held = tuple(sorted({r for r, n in holders if n == node}))
+    if not held:
+        known = sorted({n for _, n in holders if n})
+        raise ScopeError(f"node {node!r} holds no rank of this checkpoint"
+                         + (f" (its nodes: {', '.join(known)})" if known else " (the catalog names no node)"))
+    return held
+
+
+# A file names its rank as DCP does (`__3_0.distcp`) or as most per-rank savers do (`rank3.pt`,
+# `rank_03/`, `mp_rank_03_model_states.pt`). A name with two ranks (`zero_pp_rank_1_mp_rank_00`)
+# or none belongs to every rank.
+_RANK_NAMES = (re.compile(r"^__(\d+)_\d+\.distcp$"), re.compile(r"(?<![a-z0-9])(?:mp_)?rank[_-]?(\d+)(?![0-9])", re.I))
+
+
+def file_rank(path: str, world_size: int) -> int | None:
+    """The rank whose file this is, by its name; None: a file every rank needs (`.metadata`, a config)."""
+    name = path.rsplit("/", 1)[-1]
+    m = _RANK_NAMES[0].match(name)
+    if m is not None:
+        found = {int(m[1])}
+    else:
+        found = {int(x) for x in _RANK_NAMES[1].findall(path)}
+    if len(found) != 1:
+        return None
+    r = found.pop()
+    return r if r < world_size else None
+
+
+def scoped_files(paths: Iterable[str], world_size: int, ranks: Iterable[int]) -> list[str]:
+    """The files `ranks` need: each one a rank of theirs owns, and each one no rank owns."""
+    want = set(ranks)
+    return [p for p in paths if (r := file_rank(p, world_size)) is None or r in want]
+
+
+def part_meta(whole_meta: Mapping[str, Any], whole_blake3: str) -> dict[str, Any]:
+    """A restored part's meta: the whole's, less its list of parts, plus the digest it was held to."""
+    meta = {k: v for k, v in whole_meta.items() if k != "parts"}
+    meta["part_of"] = whole_blake3
+    return meta
