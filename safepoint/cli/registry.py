@@ -147,6 +147,20 @@ COMMANDS: dict[str, Command] = {
         "Bring the resume point (or --step) back into DIR from the local copy or the replicas, every byte "
         "BLAKE3-verified as it arrives. A bad file is fetched from the next replica and the bad replica "
         "marked; without --step it falls back to the next older checkpoint when no copy is whole."),
+    "plot": Command(
+        "draw a run's parameter and optimizer-moment norms per step", ("safepoint.cli.export_cmds",),
+        (OK, "1  no checkpoints of RUN in the catalog", ERROR + "; also: matplotlib missing (extra `plot`)"),
+        "Draw the global L2 norm of the parameters and of each optimizer moment (exp_avg, exp_avg_sq, ...) of "
+        "every validated checkpoint of RUN into a PNG or SVG, and mark the steps judged invalid, corrupt or "
+        "stale. The norms are the ones the validation recorded (`safepoint show RUN STEP --tensors`)."),
+    "export": Command(
+        "record a run's verified checkpoints in MLflow or W&B (references only)", ("safepoint.cli.export_cmds",),
+        ("0  recorded", "1  no verified checkpoint of RUN to export",
+         ERROR + "; also: the tracker's library missing (extra `mlflow` / `wandb`)"),
+        "Record each verified checkpoint of RUN in the tracker: its replica URL, the BLAKE3 digest of its "
+        "manifest, its state, step and lineage parent. MLflow: a model version per checkpoint whose source is "
+        "the replica; W&B: a reference artifact version per checkpoint, nothing uploaded. With [export.mlflow] "
+        "or [export.wandb] in config.toml, every ingest does this for the checkpoint it verified."),
 }
 
 
