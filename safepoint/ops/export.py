@@ -43,13 +43,15 @@ OPTIONS = {"mlflow": ("tracking_uri", "registry_uri", "experiment", "model"),
            "wandb": ("project", "entity", "mode", "dir")}
 
 
-def reference(catalog: Catalog, checkpoint_id: int) -> CheckpointRef | None:
-    """The reference of one checkpoint: None unless it has a manifest digest and a verified replica."""
+def reference(catalog: Catalog, checkpoint_id: int, *, verified: bool = True) -> CheckpointRef | None:
+    """The reference of one checkpoint: None without a manifest digest, and (`verified`) unless it is
+    verified with a verified replica. `verified=False` also answers for a checkpoint that went bad
+    since, so a tracker can mark what it recorded before."""
     row = catalog.get_by_id(checkpoint_id)
     if row is None or not row.manifest_blake3:
         return None
     urls = tuple(r.url for r in catalog.replicas(row.id) if r.state is RS.VERIFIED)
-    if not urls:
+    if verified and (row.state is not CS.VERIFIED or not urls):
         return None
     parent_digest = None
     if row.parent is not None:
@@ -60,11 +62,13 @@ def reference(catalog: Catalog, checkpoint_id: int) -> CheckpointRef | None:
                          parent_manifest_blake3=parent_digest)
 
 
-def references(catalog: Catalog, run: str, steps: list[int] | None = None) -> list[CheckpointRef]:
-    """The references of `run`'s verified checkpoints (or of `steps` among them), oldest first."""
-    views = catalog.list_checkpoints(run, [CS.VERIFIED])
+def references(catalog: Catalog, run: str, steps: list[int] | None = None, *,
+               verified: bool = True) -> list[CheckpointRef]:
+    """The references of `run`'s verified checkpoints (or of `steps` among them), oldest first;
+    `verified=False`: of every checkpoint with a manifest digest, whatever its state."""
+    views = catalog.list_checkpoints(run, [CS.VERIFIED] if verified else None)
     wanted = set(steps) if steps is not None else None
-    refs = [reference(catalog, v.id) for v in views if wanted is None or v.step in wanted]
+    refs = [reference(catalog, v.id, verified=verified) for v in views if wanted is None or v.step in wanted]
     return [r for r in refs if r is not None]
 
 
@@ -92,10 +96,12 @@ def _record(backend: str, refs: list[CheckpointRef], options: dict[str, Any]) ->
 
 def export_run(catalog: Catalog, run: str, backend: str, options: dict[str, Any] | None = None, *,
                steps: list[int] | None = None) -> list[dict[str, Any]]:
-    """Record `run`'s verified checkpoints (or `steps`) in `backend`; returns what each became."""
+    """Record `run`'s verified checkpoints (or `steps`) in `backend`; returns what each became. The
+    others are passed along too: a backend records only verified ones, and updates the state of what it
+    recorded before (MLflow: a checkpoint a scrub found corrupt is tagged corrupt)."""
     if backend not in BACKENDS:
         raise UsageError(f"unknown tracker {backend!r}: one of {', '.join(BACKENDS)}")
-    return _record(backend, references(catalog, run, steps), dict(options or {}))
+    return _record(backend, references(catalog, run, steps, verified=False), dict(options or {}))
 
 
 def after_ingest(catalog: Catalog, checkpoint_id: int | None, config: Config) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def series_of(stats: Iterable[dict[str, Any]]) -> dict[str, float | None]:
     """Per-series global L2 norms of one validation's tensor stats. Pure.
 
     `parameters`: every tensor of role parameter. `optimizer <kind>`: the optimizer state's tensors
-    (role optimizer_state) grouped by their last name part; scalars (Adam's `step` counter) are left out,
+    (role optimizer_state) grouped by their last name part; 0-d scalars (Adam's `step`) are left out:
     they are counters, not moments. A series with a non-finite tensor is None: NaN is not a point.
     """
     sums: dict[str, float] = {}
@@ -76,7 +76,7 @@ def series_of(stats: Iterable[dict[str, Any]]) -> dict[str, float | None]:
         role = s.get("role")
         if role == "parameter":
             key = PARAMETERS
-        elif role == "optimizer_state" and int(s.get("numel") or 0) > 1:
+        elif role == "optimizer_state" and list(s.get("shape") or []) != []:
             key = _moment(str(s.get("name") or ""))
         else:
             continue
@@ -147,7 +147,8 @@ def markdown(trend: Trend, *, last: int = 50) -> str:
         lines.append("")
     lines += ["| step | state | " + " | ".join(series) + " |", "|---|---|" + "---|" * len(series)]
     for p in pts:
-        state = f"**{p.state}: {', '.join(p.marks)}**" if p.marks else p.state
+        extra = [m for m in p.marks if m != p.state]
+        state = f"**{p.state}**" + (f" ({', '.join(extra)})" if extra else "") if p.marks else p.state
         lines.append(f"| {p.step} | {state} | " + " | ".join(_num(p.norms.get(s)) for s in series) + " |")
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,11 @@ class CheckpointRef:
         return self.replicas[0] if self.replicas else ""
 
     @property
+    def recordable(self) -> bool:
+        """Verified, with a verified replica to point at: what a tracker may record as a new entry."""
+        return self.state == "verified" and bool(self.replicas)
+
+    @property
     def forked(self) -> bool:
         """The parent belongs to another run: this run is a fork of it."""
         return self.parent is not None and self.parent[0] != self.run

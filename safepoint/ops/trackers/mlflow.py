@@ -67,6 +67,12 @@ def record(refs: list[CheckpointRef], *, tracking_uri: str | None = None, regist
     for ref in sorted(refs, key=lambda r: r.step):
         tags = _tags(ref)
         mv = have.get((str(ref.step), ref.manifest_blake3))
+        if not ref.recordable:  # never recorded unverified; what was recorded before gets its new state
+            if mv is not None and mv.tags.get("safepoint.state") != ref.state:
+                client.set_model_version_tag(name, mv.version, "safepoint.state", ref.state)
+                done.append({"step": ref.step, "run_id": run_id, "model": name, "version": str(mv.version),
+                             "source": mv.source, "state": ref.state})
+            continue
         if mv is None:
             mv = client.create_model_version(
                 name, ref.url, run_id=run_id, tags=tags,
@@ -76,8 +82,8 @@ def record(refs: list[CheckpointRef], *, tracking_uri: str | None = None, regist
         if ref.parent is not None and ref.forked:
             client.set_tag(run_id, "safepoint.forked_from", tags["safepoint.parent"])
         done.append({"step": ref.step, "run_id": run_id, "model": name, "version": str(mv.version),
-                     "source": ref.url})
-    verified = [r for r in refs if r.state == "verified"]
+                     "source": ref.url, "state": ref.state})
+    verified = [r for r in refs if r.recordable]
     if verified:
         latest = max(verified, key=lambda r: r.step)
         for key, value in (("latest_verified_step", str(latest.step)), ("latest_verified_url", latest.url),

@@ -41,6 +41,7 @@ def _manifest_url(replica: str) -> str:
 def record(refs: list[CheckpointRef], *, project: str | None = None, entity: str | None = None,
            mode: str | None = None, dir: str | None = None) -> list[dict[str, Any]]:
     """Log one reference artifact version per checkpoint of `refs` (one run's); returns name and aliases."""
+    refs = [r for r in refs if r.recordable]  # a logged artifact version is immutable: verified ones only
     if not refs:
         return []
     wandb = require("wandb")
@@ -52,7 +53,7 @@ def record(refs: list[CheckpointRef], *, project: str | None = None, entity: str
                               "config": config, "dir": dir, "mode": mode}
     done = []
     with wandb.init(**{k: v for k, v in kwargs.items() if v is not None}) as wrun:
-        newest = max((r.step for r in refs if r.state == "verified"), default=None)
+        newest = max(r.step for r in refs)
         for ref in sorted(refs, key=lambda r: r.step):
             meta = ref.metadata()
             art = wandb.Artifact(artifact_name(run), type="checkpoint", metadata=meta,
