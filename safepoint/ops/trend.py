@@ -206,6 +206,7 @@ def render(trend: Trend, out: str | Path) -> Path:
     n_marked = sum(1 for p in trend.points if p.marks)
     axes[0].set_title(f"{trend.run}: {len(good)} good steps" + (f", {n_marked} marked" if n_marked else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, selectable
+        fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
