@@ -8,7 +8,6 @@ import copy
 import math
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
@@ -153,7 +152,8 @@ def test_the_ingest_flow_publishes_the_trend_artifact(run, prefect_api, tmp_path
 
     async def read():
         async with get_client() as client:
-            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["norms-tiny"])))
+            key = ArtifactFilter(key=ArtifactFilterKey(any_=["norms-tiny"]))
+            return await client.read_artifacts(artifact_filter=key)
 
     [art] = anyio.run(read)
     assert art.type == "markdown" and "# Norms of tiny" in art.data and "| 7 | verified |" in art.data
