@@ -5,7 +5,7 @@ A 2-layer MLP trained with Adam for 8 steps on a fixed regression task, one chec
 file:// replica). With --bad STEP, that step's checkpoint gets NaN in an Adam moment (what a broken
 optimizer writes), so the plot has a step judged invalid. Prints the catalog URL and the replica root.
 
-    PYTHONPATH=. python notes/tiny_run.py DIR [--steps 8] [--bad 6] [--run tiny]
+    PYTHONPATH=. python notes/tiny_run.py DIR [--steps 8] [--bad 6] [--run tiny] [--parent RUN:STEP]
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def main() -> None:
     config = load_config()
     catalog = open_catalog(f"sqlite:///{a.dir / 'home' / 'catalog.db'}")
     dest = (a.dir / "replicas").as_uri()
-    parent = None
-    if a.parent:
+    parent, first = None, 1
+    if a.parent:  # a fork: start from the parent's saved state, and say so in the manifest
         run, _, step = a.parent.rpartition(":")
-        parent = (run, int(step))
-    for step in range(1, a.steps + 1):
+        parent, first = (run, int(step)), int(step) + 1
+        sd = torch.load(a.dir / "ckpt" / run / f"step-{step}" / "model.pt", weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+    for step in range(first, first + a.steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -56,7 +59,7 @@ def main() -> None:
             sd = copy.deepcopy(sd)
             sd["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[:3] = float("nan")
         torch.save(sd, folder / "model.pt")
-        commit(folder, a.run, step, parent=parent if step == 1 else (a.run, step - 1))
+        commit(folder, a.run, step, parent=parent if step == first else (a.run, step - 1))
         out = ingest(folder, [dest], catalog, config)
         print(f"step {step}: loss {loss.item():.4f} -> {out.state}")
     print(f"catalog sqlite:///{a.dir / 'home' / 'catalog.db'}; replicas {dest}")

@@ -77,7 +77,8 @@ def test_mlflow_export_records_a_model_version_per_verified_checkpoint(mlflow_db
         assert mv.source == replica                      # a reference to the replica: nothing copied
         assert mv.tags["safepoint.manifest_blake3"] == row.manifest_blake3 == _replica_digest(replica)
         assert mv.tags["safepoint.state"] == "verified"
-    assert versions["2"].tags["safepoint.resumed_from"] == "base/1"
+    assert versions["2"].tags["safepoint.parent"] == "base/1" and "safepoint.forked_from" not in versions["2"].tags
+    assert f"at {versions['2'].source}" in versions["2"].description
     run = client.get_run(versions["1"].run_id)
     assert run.data.tags["safepoint.run"] == "base" and run.data.tags["safepoint.latest_verified_step"] == "3"
     assert run.data.tags["safepoint.latest_verified_blake3"] == cat.get("base", 3).manifest_blake3

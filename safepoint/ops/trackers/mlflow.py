@@ -23,9 +23,14 @@ __all__ = ["record"]
 RUN_TAG = "safepoint.run"
 
 
+#: what a model version's tags carry (the run and model name already say the run; sizes are in the description)
+VERSION_TAGS = ("safepoint.step", "safepoint.state", "safepoint.manifest_blake3", "safepoint.replicas",
+                "safepoint.parent", "safepoint.parent_manifest_blake3", "safepoint.forked_from")
+
+
 def _tags(ref: CheckpointRef) -> dict[str, str]:
     return {k: (json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in ref.metadata().items()
-            if v is not None}
+            if v is not None and k in VERSION_TAGS}
 
 
 def _find_run(client: Any, experiment_id: str, run: str) -> str:
@@ -76,11 +81,12 @@ def record(refs: list[CheckpointRef], *, tracking_uri: str | None = None, regist
         if mv is None:
             mv = client.create_model_version(
                 name, ref.url, run_id=run_id, tags=tags,
-                description=f"{ref.run} step {ref.step}: {ref.state}, BLAKE3 {ref.manifest_blake3}")
+                description=f"{ref.run} step {ref.step}: {ref.state}, {ref.file_count} files, {ref.total_bytes} bytes, "
+                            f"manifest BLAKE3 {ref.manifest_blake3}, at {ref.url}")
         elif mv.tags.get("safepoint.state") != ref.state:
             client.set_model_version_tag(name, mv.version, "safepoint.state", ref.state)
         if ref.parent is not None and ref.forked:
-            client.set_tag(run_id, "safepoint.forked_from", tags["safepoint.parent"])
+            client.set_tag(run_id, "safepoint.forked_from", tags["safepoint.forked_from"])
         done.append({"step": ref.step, "run_id": run_id, "model": name, "version": str(mv.version),
                      "source": ref.url, "state": ref.state})
     verified = [r for r in refs if r.recordable]
