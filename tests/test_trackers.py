@@ -133,7 +133,7 @@ def test_wandb_offline_export_logs_reference_artifacts(catalog_url, tmp_path, mo
         assert a["type"] == "checkpoint" and a["project"] == "sp-test"
         assert a["metadata"]["safepoint.manifest_blake3"] == row.manifest_blake3 == _replica_digest(replica)
         assert a["metadata"]["safepoint.state"] == "verified" and a["metadata"]["safepoint.replicas"] == [replica]
-        # One reference entry: the replica's manifest; its bytes are not in the artifact (only W&B's md5 of it).
+        # One reference entry: the replica's manifest, not read (checksum=False), its bytes not in the artifact.
         [entry] = a["manifest"]
         manifest = Path(urlparse(replica).path) / MANIFEST_NAME
         assert entry["ref"] == manifest.as_uri() and entry["size"] == manifest.stat().st_size
