@@ -18,7 +18,12 @@ from typing import Any
 
 from safepoint.core.errors import UsageError
 
-__all__ = ["BACKENDS", "CheckpointRef", "require"]
+__all__ = ["BACKENDS", "KEYS", "CheckpointRef", "require"]
+
+#: the keys of a reference in a tracker (MLflow tags, W&B metadata and config), each `safepoint.<key>`
+KEYS = ("run", "step", "state", "manifest_blake3", "replicas", "total_bytes", "file_count", "parent",
+        "parent_manifest_blake3", "forked_from", "resumed_from", "latest_verified_step", "latest_verified_url",
+        "latest_verified_blake3")
 
 #: backend name -> the pip extra that installs its library
 BACKENDS = {"mlflow": "mlflow", "wandb": "wandb"}
