@@ -199,6 +199,10 @@ def render(trend: Trend, out: str | Path) -> Path:
                 ax.axvline(p.step, color=color, linestyle=style, linewidth=1.2, alpha=0.8,
                            label=None if mark in seen or ax is not axes[0] else f"{mark} step")
             seen.add(mark)
+        if p.marks:  # say which, where lines of two marks overlap
+            axes[0].annotate(", ".join(p.marks), xy=(p.step, 0.98), xycoords=("data", "axes fraction"),
+                             xytext=(-4, 0), textcoords="offset points", rotation=90, fontsize=8, ha="right",
+                             va="top", color=_MARK_STYLE.get(p.marks[0], ("tab:red",))[0])
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize="small")

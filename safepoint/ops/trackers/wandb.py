@@ -3,8 +3,9 @@
 The artifact `safepoint-RUN` (type `checkpoint`) gets one version per checkpoint, aliased `step-N`
 (and `latest-verified` on the newest). Its one entry references the replica's MANIFEST.json
 (`add_reference(..., checksum=False)`: no object is listed, read or uploaded; W&B's own digest of the
-entry is then an md5 of the path, or the URL itself, never of the bytes), and its metadata holds `CheckpointRef.metadata()`: the BLAKE3 digest of that
-manifest, the state, the step, every verified replica and, for a fork, the parent. W&B's own reference
+entry is then an md5 of the path, or the URL itself, never of the bytes), and its metadata holds
+`CheckpointRef.metadata()`: the BLAKE3 digest of that manifest, the state, the step, every verified
+replica and, for a fork, the parent. W&B's own reference
 record is an ETag and a size; the digest and the state say whether the bytes were verified.
 
 The W&B run is `safepoint-RUN` (id derived from RUN, resumed by each export, group RUN, job type
