@@ -11,7 +11,7 @@ from safepoint.catalog.store import Catalog
 from safepoint.ops import trend
 
 #: the steps the artifact shows (and reads the stats of): the newest ones
-LAST = 50
+LAST = 20
 
 
 def publish_norm_trend(catalog: Catalog, run: str) -> None:

@@ -106,14 +106,24 @@ def test_mlflow_a_forked_run_names_its_parent(mlflow_db, catalog_url, tmp_path):
     assert client.get_experiment(run.info.experiment_id).name == "lineage"
 
 
-def test_mlflow_references_land_in_the_training_run_tagged_with_the_run(mlflow_db, catalog_url, tmp_path):
-    """A training script that tags its own MLflow run `safepoint.run = RUN` gets the references there."""
+def test_mlflow_references_land_in_the_training_run_linked_to_the_run(mlflow_db, catalog_url, monkeypatch):
+    """A training script that links its MLflow run (`safepoint.integrations.mlflow.link`) gets the references
+    there; `export` from Python is the CLI's export."""
+    import mlflow
+
+    from safepoint.integrations import mlflow as sp_mlflow
+
     uri, client = _mlflow(mlflow_db)
-    exp = client.create_experiment("safepoint")
-    mine = client.create_run(exp, run_name="my-training", tags={"safepoint.run": "base"}).info.run_id
-    assert main(["--catalog", catalog_url, "export", "mlflow", "base", "--tracking-uri", uri, "--step", "2"]) == 0
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_experiment("safepoint")
+    with mlflow.start_run(run_name="my-training") as training:
+        sp_mlflow.link("base")
+        mlflow.log_metric("loss", 0.5, step=2)
+    done = sp_mlflow.export("base", catalog_url=catalog_url, steps=[2], tracking_uri=uri)
     [mv] = client.search_model_versions("name = 'base'")
-    assert mv.run_id == mine and mv.tags["safepoint.step"] == "2"
+    assert [d["version"] for d in done] == [str(mv.version)]
+    assert mv.run_id == training.info.run_id and mv.tags["safepoint.step"] == "2"
+    assert client.get_run(training.info.run_id).data.tags["safepoint.latest_verified_step"] == "2"
 
 
 def test_wandb_offline_export_logs_reference_artifacts(catalog_url, tmp_path, monkeypatch):
@@ -124,9 +134,9 @@ def test_wandb_offline_export_logs_reference_artifacts(catalog_url, tmp_path, mo
     assert main(["--catalog", catalog_url, "export", "wandb", "fork", "--project", "sp-test"]) == 0
     assert main(["--catalog", catalog_url, "export", "wandb", "base", "--project", "sp-test"]) == 0
     cat = open_catalog(catalog_url)
-    held = artifacts(tmp_path)
+    held = sorted(artifacts(tmp_path), key=lambda a: (a["name"], a["metadata"]["safepoint.step"]))
     assert [(a["name"], a["metadata"]["safepoint.step"]) for a in held] == [
-        ("safepoint-fork", 7), ("safepoint-base", 1), ("safepoint-base", 2), ("safepoint-base", 3)]
+        ("safepoint-base", 1), ("safepoint-base", 2), ("safepoint-base", 3), ("safepoint-fork", 7)]
     for a in held:
         row = cat.get(a["metadata"]["safepoint.run"], a["metadata"]["safepoint.step"])
         [replica] = [r.url for r in cat.replicas(row.id) if r.state is R.VERIFIED]
@@ -138,8 +148,9 @@ def test_wandb_offline_export_logs_reference_artifacts(catalog_url, tmp_path, mo
         manifest = Path(urlparse(replica).path) / MANIFEST_NAME
         assert entry["ref"] == manifest.as_uri() and entry["size"] == manifest.stat().st_size
         assert f"step-{row.step}" in a["aliases"]
-    assert "latest-verified" in held[-1]["aliases"] and "latest-verified" not in held[1]["aliases"]
-    assert held[0]["metadata"]["safepoint.forked_from"] == "base/2"
+    assert "latest-verified" in held[2]["aliases"] and "latest-verified" not in held[1]["aliases"]
+    assert held[3]["metadata"]["safepoint.forked_from"] == "base/2"
+    assert "safepoint.forked_from" not in held[1]["metadata"]
     runs = {r["config"]["safepoint.run"]: r for r in run_config(tmp_path)}
     assert runs["fork"]["config"]["safepoint.forked_from"] == "base/2" and runs["base"]["group"] == "base"
     assert runs["base"]["job_type"] == "safepoint-export"

@@ -5,7 +5,9 @@
 - `safepoint.integrations.lightning.SafepointCheckpointIO`: a Lightning `CheckpointIO` that writes
   each checkpoint into its own `step-N/` folder and seals it (extra `lightning`);
 - `safepoint.integrations.dcp`: `save(...)` and `seal_finished(...)` for torchtitan and `dcp.save` users;
-- `safepoint.integrations.accelerate.save_state(...)`: `Accelerator.save_state` into `step-N/`, sealed.
+- `safepoint.integrations.accelerate.save_state(...)`: `Accelerator.save_state` into `step-N/`, sealed;
+- `safepoint.integrations.mlflow` (`link`, `export`) and `safepoint.integrations.wandb` (`export`):
+  references to the verified checkpoints in the tracker (safepoint.ops.export; extras `mlflow`, `wandb`).
 
 Sealing is `safepoint.commit` (hash, fsync, manifest, marker). Each optionally emits the
 `safepoint.checkpoint.committed` event so a Prefect deployment ingests it at once; otherwise
