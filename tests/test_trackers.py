@@ -171,8 +171,8 @@ def test_export_errors_are_one_line(catalog_url, tmp_path, monkeypatch, capsys):
 
 
 def test_an_ingest_records_what_it_verified_in_the_configured_tracker(mlflow_db, tmp_path, monkeypatch, caplog):
-    """[export.mlflow] in config.toml: the ingest records the checkpoint once verified; an invalid one is not
-    recorded, and a tracker that fails leaves the ingest's verdict alone."""
+    """[export.mlflow] and [export.wandb] in config.toml: the ingest records the checkpoint once verified in
+    both; an invalid one is not recorded, and a tracker that fails leaves the ingest's verdict alone."""
     from safepoint.core.config import load_config
     from safepoint.local.commit import commit
     from safepoint.ops.ingest import ingest
@@ -180,7 +180,9 @@ def test_an_ingest_records_what_it_verified_in_the_configured_tracker(mlflow_db,
 
     uri, client = _mlflow(mlflow_db)
     cfg = tmp_path / "config.toml"
-    cfg.write_text(f'[export.mlflow]\ntracking_uri = "{uri}"\nmodel = "m"\n')
+    cfg.write_text(f'[export.mlflow]\ntracking_uri = "{uri}"\nmodel = "m"\n'
+                   f'[export.wandb]\nproject = "p"\nmode = "offline"\ndir = "{tmp_path}"\n')
+    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("SAFEPOINT_CONFIG", str(cfg))
     cat = open_catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
     dest = (tmp_path / "durable").as_uri()
@@ -191,6 +193,9 @@ def test_an_ingest_records_what_it_verified_in_the_configured_tracker(mlflow_db,
     [mv] = client.search_model_versions("name = 'm'")
     assert mv.tags["safepoint.step"] == "1" and mv.source == f"{dest}/ing/1"
     assert mv.tags["safepoint.manifest_blake3"] == cat.get("ing", 1).manifest_blake3
+    [art] = artifacts(tmp_path)  # and W&B, offline: step 1 only
+    assert art["metadata"]["safepoint.step"] == 1 and art["project"] == "p"
+    assert art["metadata"]["safepoint.manifest_blake3"] == mv.tags["safepoint.manifest_blake3"]
 
     cfg.write_text('[export.mlflow]\ntracking_uri = "nowhere://tracker"\n')  # MLflow refuses it at once
     make_torch_save_ckpt(tmp_path / "s3")
