@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,30 @@ def records(path: Path) -> Iterator[Any]:
         yield r
 
 
+def closed(path: Path) -> bool:
+    """The run file ends with its `exit` record: W&B's service has written all of it."""
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+    except (AssertionError, OSError):
+        return False
+
+
+def run_files(root: Path, timeout_s: float = 30.0) -> list[Path]:
+    """The offline run files under `root`, each once W&B's service has finished writing it: `run.finish()`
+    returns before the service (a separate process) has flushed the last records, so read too early, a
+    file can miss the artifacts just logged. Polls for the `exit` record, up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    files = sorted(root.glob("wandb/offline-run-*/run-*.wandb"))
+    while not all(closed(f) for f in files):
+        assert time.monotonic() < deadline, f"W&B never finished writing {[f for f in files if not closed(f)]}"
+        time.sleep(0.05)
+    return files
+
+
 def artifacts(root: Path) -> list[dict[str, Any]]:
     """Every artifact logged by the offline runs under `root` (a `wandb/` folder's parent), as data."""
     out = []
-    for f in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
+    for f in run_files(root):
         for r in records(f):
             if r.WhichOneof("record_type") != "artifact":
                 continue
@@ -75,7 +96,7 @@ def artifacts(root: Path) -> list[dict[str, Any]]:
 def run_config(root: Path) -> list[dict[str, Any]]:
     """The `run` records' id, group, job type and config of the offline runs under `root`."""
     out = []
-    for f in sorted(root.glob("wandb/offline-run-*/run-*.wandb")):
+    for f in run_files(root):
         for r in records(f):
             if r.WhichOneof("record_type") == "run":
                 cfg = {u.key: json.loads(u.value_json) for u in r.run.config.update}
