@@ -32,6 +32,7 @@ from safepoint.ops.ingest import PREPARED, IngestOutcome, run_ingest
 from safepoint.rules.outcome import decide
 from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
+from safepoint.tasks.trend import publish_norm_trend
 
 
 def _fmt_bytes(n: float) -> str:
@@ -133,6 +134,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
         row = catalog.get_by_id(done.checkpoint_id)
         if out.state in (CS.VERIFIED, CS.INVALID):
             publish_validation_report(catalog, done.checkpoint_id)
+            publish_norm_trend(catalog, out.run)
         create_markdown_artifact(
             key=f"ingest-{out.run}-{out.step}".lower().replace("_", "-").replace(".", "-"),
             markdown=_report_markdown(out, detail, catalog.ranks(done.checkpoint_id), row.world_size),

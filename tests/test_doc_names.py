@@ -11,6 +11,8 @@ import importlib
 import re
 from pathlib import Path
 
+from safepoint.ops.trackers import KEYS as TRACKER_KEYS
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"(?<![\w./-])safepoint(?:\.[A-Za-z_]\w*)+")
 #: dotted names that are not Python objects, and what they are
@@ -25,6 +27,8 @@ NOT_PYTHON = {
     "safepoint.snapshot": "a rank-done/snapshot format identifier (docs/format.md)",
     "safepoint.node": "a Prefect event resource label (safepoint.events)",
 }
+NOT_PYTHON.update({f"safepoint.{k}": "a tracker tag or metadata key (safepoint.ops.trackers.KEYS)"
+                   for k in TRACKER_KEYS})
 
 
 def resolves(name: str) -> bool:

@@ -151,6 +151,20 @@ COMMANDS: dict[str, Command] = {
         "fleet restart each node brings back its own part (--node, or --ranks) and all agree on the step: "
         "a node whose part has no whole copy records it and exits 1, and the round runs again "
         "(docs/fleet-restore.md)."),
+    "plot": Command(
+        "draw a run's parameter and optimizer-moment norms per step", ("safepoint.cli.export_cmds",),
+        (OK, "1  no checkpoints of RUN in the catalog", ERROR + "; also: matplotlib missing (extra `plot`)"),
+        "Draw the global L2 norm of the parameters and of each optimizer moment (exp_avg, exp_avg_sq, ...) of "
+        "every validated checkpoint of RUN into a PNG or SVG, and mark the steps judged invalid, corrupt or "
+        "stale. The norms are the ones the validation recorded (`safepoint show RUN STEP --tensors`)."),
+    "export": Command(
+        "record a run's verified checkpoints in MLflow or W&B (references only)", ("safepoint.cli.export_cmds",),
+        ("0  recorded", "1  no verified checkpoint of RUN to export",
+         ERROR + "; also: the tracker's library missing (extra `mlflow` / `wandb`)"),
+        "Record each verified checkpoint of RUN in the tracker: its replica URL, the BLAKE3 digest of its "
+        "manifest, its state, step and lineage parent. MLflow: a model version per checkpoint whose source is "
+        "the replica; W&B: a reference artifact version per checkpoint, nothing uploaded. With [export.mlflow] "
+        "or [export.wandb] in config.toml, every ingest does this for the checkpoint it verified."),
 }
 
 

@@ -9,6 +9,8 @@
 - `safepoint.integrations.accelerate.save_state(...)`: `Accelerator.save_state` into `step-N/`, sealed;
 - `safepoint.integrations.keep_local`: the `keep_local=N` retention of the HF callback and the Lightning
   plugin (older local folders go once a newer checkpoint is verified and they have a verified replica).
+- `safepoint.integrations.mlflow` (`link`, `export`) and `safepoint.integrations.wandb` (`export`):
+  references to the verified checkpoints in the tracker (safepoint.ops.export; extras `mlflow`, `wandb`).
 
 Sealing is `safepoint.commit` (hash, fsync, manifest, marker). Each optionally emits the
 `safepoint.checkpoint.committed` event so a Prefect deployment ingests it at once; otherwise

@@ -30,7 +30,7 @@ from safepoint.core.states import ReplicaState as RS
 from safepoint.destinations.check import check_destinations
 from safepoint.destinations.parts import check_part, is_part, part_key
 from safepoint.local.snapshot import LocalSnapshot
-from safepoint.ops import assemble, progress, reconcile, steps
+from safepoint.ops import assemble, export, progress, reconcile, steps
 from safepoint.ops.leases import HostLimit, ingest_leases
 from safepoint.ops.metrics import MemorySampler
 from safepoint.ops.replicate import ReplicaResult
@@ -142,6 +142,7 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     out = steps.outcome(catalog, checkpoint_id, part=_part(m))
     detail = done_detail(snap, snapshot, event_id, out, results, t0, mem.min_ratio)
     runner.run("record-ingest", record_done, catalog, checkpoint_id, detail)
+    export.after_ingest(catalog, checkpoint_id, config)  # [export.*] trackers: verified ones only, never raises
     log.info("%s/%s ended %s", out.run, out.step, out.state)
     return IngestReport(out, checkpoint_id, detail)
 
