@@ -1,11 +1,11 @@
-"""A real tiny training run, ingested: the data behind notes/trackers36.md (the plot, the exports).
+"""A real tiny training run, ingested: the data behind docs/trackers.md (the plot, the exports).
 
 A 2-layer MLP trained with Adam for 8 steps on a fixed regression task, one checkpoint per step
 (torch.save of model and optimizer into step-N/, sealed with safepoint.commit, ingested inline into a
 file:// replica). With --bad STEP, that step's checkpoint gets NaN in an Adam moment (what a broken
 optimizer writes), so the plot has a step judged invalid. Prints the catalog URL and the replica root.
 
-    PYTHONPATH=. python notes/tiny_run.py DIR [--steps 8] [--bad 6] [--run tiny] [--parent RUN:STEP]
+    PYTHONPATH=. python examples/tiny_run.py DIR [--steps 8] [--bad 6] [--run tiny] [--parent RUN:STEP]
 """
 
 from __future__ import annotations
