@@ -76,7 +76,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
             doc = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UsageError(f"{path}: not valid TOML ({e})") from None
-        _parsed.clear()
+        if len(_parsed) >= 8:                # a few files at once (tests, several homes), bounded
+            _parsed.pop(next(iter(_parsed)))
         _parsed[key] = doc
     return copy.deepcopy(_parsed[key])
 
