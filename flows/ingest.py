@@ -10,11 +10,12 @@ Failed with the verdict as its message for corrupt/invalid/incomplete or a faile
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.states import Failed, State
 
 from safepoint.catalog.store import open_catalog
@@ -30,8 +31,8 @@ from safepoint.local.credentials import reveal_credentials
 from safepoint.local.snapshot import read_small
 from safepoint.ops.ingest import PREPARED, IngestOutcome, run_ingest
 from safepoint.rules.outcome import decide
-from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
+from safepoint.validation import report as vr
 
 
 def _fmt_bytes(n: float) -> str:
@@ -67,6 +68,33 @@ def _report_markdown(out: IngestOutcome, detail: dict[str, Any], ranks: list[dic
             lines.append(f"| {rank} | {r['node'] or '-'} | {r['delivered_at']:%H:%M:%S} |" if r
                          else f"| {rank} | - | **missing** |")
     return "\n".join(lines) + "\n"
+
+
+def publish_report(catalog: Any, checkpoint_id: int, out: IngestOutcome, detail: dict[str, Any]) -> None:
+    """One markdown artifact per ingest: the ingest report, preceded by the validation report when this
+    ingest reached the verdict (key `validation-RUN-STEP`, else `ingest-RUN-STEP`); the per-tensor table
+    only for an invalid checkpoint, where it says which tensors failed. Each keyed artifact is two
+    Prefect events (created, collection): this keeps a part at most 12 (issue 35)."""
+    row = catalog.get_by_id(checkpoint_id)
+    ingest_md = _report_markdown(out, detail, catalog.ranks(checkpoint_id), row.world_size)
+    where = f"Safepoint ingest of {out.run}/{out.step}" + (f" (part {detail['part']})" if detail["part"] else "")
+    v = catalog.latest_validation(checkpoint_id) if out.state in (CS.VERIFIED, CS.INVALID) else None
+    try:
+        if v is None:
+            create_markdown_artifact(key=vr.artifact_key("ingest", out.run, out.step), markdown=ingest_md,
+                                     description=where)
+            return
+        stats = catalog.tensor_stats(v.id)
+        create_markdown_artifact(key=vr.artifact_key("validation", row.run, row.step),
+                                 markdown=vr.markdown(row.run, row.step, str(row.state), v.report, stats)
+                                 + "\n" + ingest_md,
+                                 description=f"Safepoint validation of {row.run}/{row.step}: {row.state}; {where}")
+        if out.state is CS.INVALID:
+            create_table_artifact(key=vr.artifact_key("validation-tensors", row.run, row.step),
+                                  table=vr.tensor_rows(v.report, stats),
+                                  description=f"Tensors of {row.run}/{row.step}: verdict and stats (flagged first)")
+    except Exception as e:  # noqa: BLE001 - artifacts are a view; the catalog holds the report
+        logging.getLogger("safepoint").warning("artifacts for %s/%s not created: %s", out.run, out.step, e)
 
 
 def run_name(snapshot: str) -> str:
@@ -130,15 +158,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
     if not detail.get("skipped"):
         emit_outcome(out.run, out.step, detail.get("node"), str(out.state), out.message)
     if done.checkpoint_id is not None and not detail.get("skipped"):
-        row = catalog.get_by_id(done.checkpoint_id)
-        if out.state in (CS.VERIFIED, CS.INVALID):
-            publish_validation_report(catalog, done.checkpoint_id)
-        create_markdown_artifact(
-            key=f"ingest-{out.run}-{out.step}".lower().replace("_", "-").replace(".", "-"),
-            markdown=_report_markdown(out, detail, catalog.ranks(done.checkpoint_id), row.world_size),
-            description=f"Safepoint ingest of {out.run}/{out.step}" + (f" (part {detail['part']})"
-                                                                      if detail["part"] else ""),
-        )
+        publish_report(catalog, done.checkpoint_id, out, detail)
     return run_state(out.result())
 
 
