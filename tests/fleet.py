@@ -230,7 +230,8 @@ class Fleet:
         return self.balancer.url if self.balancer else self.server.url
 
     def env(self, node: str | None = None) -> dict[str, str]:
-        env = dict(os.environ, **self.server.env(), PREFECT_API_URL=self.api_url)
+        env = dict(os.environ, **self.server.env())
+        env["PREFECT_API_URL"] = self.api_url
         env.pop("SAFEPOINT_CONFIG", None)
         home = self.base / "nodes" / (node or "admin") / "home"
         home.mkdir(parents=True, exist_ok=True)
@@ -305,9 +306,11 @@ class Fleet:
 
     def start_services(self) -> subprocess.Popen:
         """`prefect server services start`: scheduler, triggers, event persister... in one process of their own."""
-        env = dict(self.env(), PREFECT_SERVER_DATABASE_CONNECTION_URL=self.server.database_url,
-                   PREFECT_SERVER_LOGGING_LEVEL="WARNING", PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
-                   **self.server_settings, PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false")
+        env = self.env()
+        env.update({"PREFECT_SERVER_DATABASE_CONNECTION_URL": self.server.database_url,
+                    "PREFECT_SERVER_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"})
+        env.update(self.server_settings)
+        env["PREFECT_SERVER_DATABASE_MIGRATE_ON_START"] = "false"
         for name in QUIET_SERVICES:
             env[f"PREFECT_SERVER_SERVICES_{name}_ENABLED"] = "false"
         log = open(self.base / "services.log", "ab")  # noqa: SIM115 - closed with the process
