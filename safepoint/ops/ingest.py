@@ -178,8 +178,9 @@ def settle_validate_record(catalog: Catalog, checkpoint_id: int, results: list[R
         judged.cancel()  # no verified copy: the dry-run load has nothing to decide
     out = steps.outcome(catalog, checkpoint_id, part=_part(m))
     detail = done_detail(snap, end.snapshot, end.event_id, out, results, end.t0, end.mem.min_ratio)
-    detail["steps_s"] = {k: round(v, 4) for k, v in timings.items()}
     record_done(catalog, checkpoint_id, detail)
+    log.info("%s/%s%s: %s", m.run, m.step, f" part {_part(m)}" if is_part(m) else "",
+             ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) or "not replicated")
     return out, detail
 
 
