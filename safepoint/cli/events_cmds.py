@@ -80,7 +80,10 @@ def serve_warm(args) -> int:
     watch.root, watch.once, watch.interval = args.watch, False, args.poll
     watch.no_timeouts, watch.timeouts_every, watch.poll_only = not args.completeness_every, \
         args.completeness_every or 10.0, False
-    return watch_here(watch)
+    from safepoint.flows.ingest import without_heartbeat
+
+    with without_heartbeat():  # once for the process, not once per ingest
+        return watch_here(watch)
 
 
 def cmd_watch(args) -> int:

@@ -208,12 +208,17 @@ class IngestHere:
         self.recheck_s, self.clock = recheck_s, clock
         self.worst = EXIT_OK
         self._waiting: dict[Path, float] = {}  # a delivered part -> when to offer it again
+        self._done: dict[Path, tuple[int, int] | None] = {}  # finished folders -> their marker when seen so
 
     def wants(self, folder: Path) -> bool:
         if self.clock() < self._waiting.get(folder, 0.0):
             return False
+        ident = marker_identity(folder)
+        if folder in self._done and self._done[folder] == ident:  # a stat, not a catalog query per pass
+            return False
         if finished(self.catalog, folder):
             self._waiting.pop(folder, None)
+            self._done[folder] = ident
             return False
         return True
 
