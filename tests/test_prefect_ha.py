@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ def fleet(tmp_path_factory):
     if not pg_reachable():
         why = "PostgreSQL unreachable at 127.0.0.1:5432 (psql)"
         if os.environ.get("SAFEPOINT_REQUIRE_POSTGRES") == "1":  # CI (.ci/run): a failure, never a skip
+            pytest.fail(why)
+        pytest.skip(why)
+    if shutil.which("redis-server") is None:
+        why = "redis-server not installed (Debian package redis-server)"
+        if os.environ.get("SAFEPOINT_REQUIRE_REDIS") == "1":  # CI (.ci/run)
             pytest.fail(why)
         pytest.skip(why)
     f = Fleet(tmp_path_factory.mktemp("ha"), NODES, lane="warm", api_servers=2)
