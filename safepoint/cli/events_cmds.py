@@ -80,9 +80,9 @@ def serve_warm(args) -> int:
     watch.root, watch.once, watch.interval = args.watch, False, args.poll
     watch.no_timeouts, watch.timeouts_every, watch.poll_only = not args.completeness_every, \
         args.completeness_every or 10.0, False
-    from safepoint.flows.ingest import without_heartbeat
+    from safepoint.flows.ingest import warm_process
 
-    with without_heartbeat():  # once for the process, not once per ingest
+    with warm_process():  # settings and the Prefect client once for the process, not once per ingest
         return watch_here(watch)
 
 
