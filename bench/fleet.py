@@ -134,12 +134,20 @@ class Cpu(threading.Thread):
                   "executors": [x for p in [*f.workers.values(), *f.executors.values()] for x in self._tree(p.pid)],
                   "watchers": [x for p in list(f.watchers.values()) for x in self._tree(p.pid)]}
         with self.lock:
+            seen = set()
             for g, procs in groups.items():
                 for pid, cpu in procs:
                     key = (g, pid)
+                    seen.add(key)
                     if key not in self.base:
                         self.base[key] = cpu if not self.marked else 0.0
                     self.last[key] = max(cpu, self.last.get(key, 0.0))
+            # A process of a tree that exited was reaped by its parent, whose children_* now hold all of
+            # its CPU: counting its last sample as well would count it twice (flow-run processes,
+            # validation sandboxes). Database backends are reaped by PostgreSQL: theirs are kept.
+            for key in [k for k in self.last if k[0] not in ("prefect db", "catalog db") and k not in seen]:
+                del self.last[key]
+                self.base.pop(key, None)
 
     def mark(self) -> None:
         self.sample()

@@ -140,8 +140,10 @@ def test_a_warm_executor_killed_mid_ingest_completes_on_restart(fleet):
     assert_once(fleet, "exkill", 1, files, parts=1)
     (again,) = completed(fleet, "exkill", 1)
     assert again.id != first.id
-    # The killed run is left as it was (Running): the warm lane's liveness is its watcher, not a heartbeat.
-    assert sorted(r.state_type.value for r in runs_of(fleet, "exkill")) == ["COMPLETED", "RUNNING"]
+    # The restarted executor marked the killed run Crashed before running the ingest again.
+    runs = runs_of(fleet, "exkill")
+    assert sorted(r.state_type.value for r in runs) == ["COMPLETED", "CRASHED"], [(r.name, r.state_type) for r in runs]
+    assert [r.id for r in runs if r.state_type.value == "CRASHED"] == [first.id]
 
 
 def test_a_redis_restart_during_a_run_is_survived(fleet):

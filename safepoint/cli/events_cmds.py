@@ -81,7 +81,13 @@ def serve_warm(args) -> int:
     watch.no_timeouts, watch.timeouts_every, watch.poll_only = not args.completeness_every, \
         args.completeness_every or 10.0, False
     from safepoint.flows.ingest import warm_process
+    from safepoint.flows.watch import crash_orphaned_runs
 
+    crashed = crash_orphaned_runs(args.watch)
+    if crashed:
+        from safepoint.cli.common import err
+
+        err.print(f"marked {crashed} ingest run(s) of a stopped executor Crashed; their folders are ingested again")
     with warm_process():  # settings and the Prefect client once for the process, not once per ingest
         return watch_here(watch)
 
