@@ -171,6 +171,26 @@ class Cpu(threading.Thread):
                 continue
 
 
+def events_by_name(fleet) -> dict[str, int]:
+    import psycopg
+
+    with psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={fleet.prefect_db}") as c:
+        return dict(c.execute("select event, count(*) from events group by event").fetchall())
+
+
+def events_settled(fleet, quiet_s: float = 2.0, timeout_s: float = 60.0) -> dict[str, int]:
+    """Prefect persists events in batches, seconds after they happen: wait until the count holds still."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = events_by_name(fleet)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.5)
+    return last or {}
+
+
 def db_counters(fleet) -> dict[str, float]:
     """Counters to difference over the window: events stored, catalog rows written, transactions."""
     import psycopg
@@ -230,6 +250,7 @@ def run_lane(args, lane: str, n_nodes: int, n_ranks: int, steps: int, work: Path
             wait_verified(step)
         fleet.wait_for("warm-up runs finished", lambda: all(
             r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in fleet.ingest_runs()), 120)
+        e0 = events_settled(fleet)
         cpu.mark()
         c0 = db_counters(fleet)
         t0 = time.time()
@@ -246,6 +267,7 @@ def run_lane(args, lane: str, n_nodes: int, n_ranks: int, steps: int, work: Path
             r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in fleet.ingest_runs()), 120)
         t1 = time.time()
         totals = cpu.totals()
+        e1 = events_settled(fleet)
         c1 = db_counters(fleet)
         load1 = os.getloadavg()
         runs: list = []
@@ -277,7 +299,8 @@ def run_lane(args, lane: str, n_nodes: int, n_ranks: int, steps: int, work: Path
     n = len(results)
     return {"lane": lane, "nodes": n_nodes, "ranks": n_ranks, "n": n, "load": (load0[0], load1[0]),
             "window": t1 - t0, "results": results, "cpu": {g: totals.get(g, 0.0) / n for g in GROUPS},
-            "counters": {k: (c1[k] - c0[k]) / n for k in c1}}
+            "counters": {k: (c1[k] - c0[k]) / n for k in c1},
+            "events": {k: (v - e0.get(k, 0)) / n for k, v in sorted(e1.items()) if v != e0.get(k, 0)}}
 
 
 def cpu_self_and_children() -> float:
@@ -334,6 +357,9 @@ def report(r: dict, peer_cpu: float) -> None:
 
 
 def side_by_side(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"\n[{r['lane']}] {r['nodes']}x{r['ranks']}: Prefect events per checkpoint by name: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["events"].items()))
     print("\n| config | lane | p50 s | p95 s | ckpt/h | events/part | API CPU s | db CPU s | redis CPU s | "
           "executors CPU s | Prefect xacts |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
