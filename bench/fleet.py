@@ -1,29 +1,38 @@
-"""Benchmark: a fleet of N nodes x R ranks x S steps through Prefect's own workers, and what it costs.
+"""Benchmark: a fleet of N nodes x R ranks x S steps on Prefect, both lanes side by side, and what each costs.
 
-    flock /tmp/safepoint-bench.lock python bench/fleet.py [--nodes 4] [--ranks 8] [--steps 10]
-        [--query-seconds 1] [--every 0] [--peer-steps 3]
+    flock /tmp/safepoint-bench.lock python bench/fleet.py [--configs 4x8x10,8x4x10] [--lanes warm,deploy]
+        [--api-servers 2] [--query-seconds 1] [--every 0] [--peer-steps 3]
 
-The real deployment path (tests/fleet.py): `prefect server start` on a fresh PostgreSQL database,
-a catalog on another, a process work pool, per node `prefect deploy --prefect-file
-prefect-fleet.yaml` (deployment ingest-NODE on work queue NODE), a `prefect worker start` and a
-`safepoint watch ROOT --emit`, plus the zombie-run automation. Each step, every node commits its
-part (R rank files of a world of N*R; small tensors, so orchestration is what is measured) under
-its own root; the watchers emit, the automations create runs, the workers run them, the last part
-assembles and validates the set. With --every 0 (default) the next step starts when the previous
-one is verified (closed loop: latency); with --every T a step starts every T seconds (throughput).
+Each (config, lane) is one fleet of tests/fleet.py, started fresh: Prefect on a fresh PostgreSQL
+database (with --api-servers 2, the default: two `prefect server start --no-services` behind a
+balancer, Redis via prefect-redis, the services in a process of their own; 1: one `prefect server
+start`), a catalog on another database, and per node either
+- `warm` (the fleet's default): `safepoint serve --watch ROOT`, the node's ingests as flow runs in
+  one long-lived process; or
+- `deploy`: `prefect deploy --prefect-file prefect-fleet.yaml` (deployment ingest-NODE on work
+  queue NODE, an event trigger), a process worker and `safepoint watch ROOT --emit`, plus the
+  zombie-run automation.
+Each step, every node commits its part (R rank files of a world of N*R; small tensors, so
+orchestration is what is measured) under its own root; the last part assembles and validates the
+set. With --every 0 (default) the next step starts when the previous one is verified (closed loop:
+latency); with --every T a step starts every T seconds (throughput).
 
-Printed:
+Printed, per (config, lane), then side by side:
 - marker -> verified per checkpoint (the last part's COMMITTED mtime to the catalog's `verified`
   state event), p50/p95, and stages from the flow runs' own timestamps (median over parts):
-  marker -> run created (watcher, event, trigger), created -> started (worker poll, flow-run
-  process start), started -> ended (the flow), last run ended -> verified;
+  marker -> run created, created -> started, started -> ended (the flow), last run ended -> verified;
 - checkpoints per hour over the measured window;
 - CPU seconds per checkpoint (psutil, sampled every 0.2 s; a process first seen inside the window
-  counts from zero): the Prefect server (its process tree), Prefect's database (PostgreSQL
-  backends of its database), the catalog (backends of the catalog database), the workers with
-  their flow-run processes, the watchers; and per checkpoint the events Prefect stored, the
-  catalog rows written (pg_stat_user_tables) and the transactions of each database;
-- the peer: the same parts ingested directly in this warm process (no Prefect), per checkpoint.
+  counts from zero) for each component: the API servers, the Prefect services process (HA only),
+  Prefect's database (PostgreSQL backends of its database), Redis, the catalog (backends of the
+  catalog database), the executors (warm: the serve processes; deploy: the workers with their
+  flow-run processes) and the deploy lane's watchers;
+- per checkpoint: the events Prefect stored (and per part), the catalog rows written
+  (pg_stat_user_tables) and the transactions of each database;
+- the peer: the same parts ingested directly in this warm process (no Prefect), per checkpoint,
+  and each lane's executor CPU as a multiple of it.
+Load average at the start and end of each run is printed with it: on a shared machine the
+latencies are upper bounds; CPU seconds and counts per checkpoint hardly depend on the load.
 """
 
 from __future__ import annotations
@@ -116,17 +125,29 @@ class Cpu(threading.Thread):
 
     def sample(self) -> None:
         f = self.fleet
-        groups = {"prefect server": self._tree(f.server.proc.pid) if f.server.proc else [],
-                  "prefect db": self._backends(f.prefect_db), "catalog db": self._backends(f.catalog_db),
-                  "workers+flow runs": [x for p in list(f.workers.values()) for x in self._tree(p.pid)],
+        apis = f.apis or [f.server]
+        groups = {"api servers": [x for a in apis if a.proc for x in self._tree(a.proc.pid)],
+                  "prefect services": self._tree(f.services.pid) if f.services else [],
+                  "prefect db": self._backends(f.prefect_db),
+                  "redis": self._tree(f.redis.proc.pid) if f.redis and f.redis.proc else [],
+                  "catalog db": self._backends(f.catalog_db),
+                  "executors": [x for p in [*f.workers.values(), *f.executors.values()] for x in self._tree(p.pid)],
                   "watchers": [x for p in list(f.watchers.values()) for x in self._tree(p.pid)]}
         with self.lock:
+            seen = set()
             for g, procs in groups.items():
                 for pid, cpu in procs:
                     key = (g, pid)
+                    seen.add(key)
                     if key not in self.base:
                         self.base[key] = cpu if not self.marked else 0.0
                     self.last[key] = max(cpu, self.last.get(key, 0.0))
+            # A process of a tree that exited was reaped by its parent, whose children_* now hold all of
+            # its CPU: counting its last sample as well would count it twice (flow-run processes,
+            # validation sandboxes). Database backends are reaped by PostgreSQL: theirs are kept.
+            for key in [k for k in self.last if k[0] not in ("prefect db", "catalog db") and k not in seen]:
+                del self.last[key]
+                self.base.pop(key, None)
 
     def mark(self) -> None:
         self.sample()
@@ -150,6 +171,26 @@ class Cpu(threading.Thread):
                 continue
 
 
+def events_by_name(fleet) -> dict[str, int]:
+    import psycopg
+
+    with psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={fleet.prefect_db}") as c:
+        return dict(c.execute("select event, count(*) from events group by event").fetchall())
+
+
+def events_settled(fleet, quiet_s: float = 2.0, timeout_s: float = 60.0) -> dict[str, int]:
+    """Prefect persists events in batches, seconds after they happen: wait until the count holds still."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = events_by_name(fleet)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.5)
+    return last or {}
+
+
 def db_counters(fleet) -> dict[str, float]:
     """Counters to difference over the window: events stored, catalog rows written, transactions."""
     import psycopg
@@ -168,35 +209,28 @@ def db_counters(fleet) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--ranks", type=int, default=8, help="ranks per node")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--query-seconds", type=float, default=1.0, help="PREFECT_WORKER_QUERY_SECONDS")
-    ap.add_argument("--every", type=float, default=0.0, help="seconds between steps; 0: when verified")
-    ap.add_argument("--peer-steps", type=int, default=3)
-    ap.add_argument("--work", default=None)
-    args = ap.parse_args()
+GROUPS = ("api servers", "prefect services", "prefect db", "redis", "catalog db", "executors", "watchers")
 
+
+def run_lane(args, lane: str, n_nodes: int, n_ranks: int, steps: int, work: Path) -> dict:
+    """One fleet of `lane`, warmed up, then `steps` checkpoints measured; returns the figures."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
     from tests.fleet import Fleet
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="sp-fleet-"))
-    nodes = [f"n{i}" for i in range(args.nodes)]
-    world = args.nodes * args.ranks
-    ranks = {n: list(range(i * args.ranks, (i + 1) * args.ranks)) for i, n in enumerate(nodes)}
-    fleet = Fleet(work, nodes, query_s=args.query_seconds)
+    nodes = [f"n{i}" for i in range(n_nodes)]
+    world = n_nodes * n_ranks
+    ranks = {n: list(range(i * n_ranks, (i + 1) * n_ranks)) for i, n in enumerate(nodes)}
+    fleet = Fleet(work, nodes, query_s=args.query_seconds, lane=lane, api_servers=args.api_servers)
     load0 = os.getloadavg()
     results: list[dict[str, float]] = []
     cpu = None
     try:
         t_up = time.monotonic()
         fleet.start()
-        print(f"fleet up in {time.monotonic() - t_up:.1f}s (server {fleet.timings['server']:.1f}s, "
-              f"pool+deploy+automation {fleet.timings['deploy']:.1f}s); {len(nodes)} nodes x {args.ranks} ranks, "
-              f"world {world}; work {work}", flush=True)
+        print(f"[{lane}] fleet up in {time.monotonic() - t_up:.1f}s (prefect {fleet.timings['server']:.1f}s); "
+              f"{n_nodes} nodes x {n_ranks} ranks, world {world}, {args.api_servers} API server(s); work {work}",
+              flush=True)
         cpu = Cpu(fleet)
         cpu.start()
         cat = fleet.catalog()
@@ -209,15 +243,19 @@ def main() -> None:
         def wait_verified(step: int, timeout_s: float = 300) -> None:
             fleet.wait_for(f"step {step} verified", lambda: fleet.state(RUN, step) == "verified", timeout_s, 0.05)
 
-        # Warm-up (not measured): the first runs of each worker, caches, connection pools.
-        commit_step(0)
-        wait_verified(0)
-        time.sleep(2)
+        # Warm-up (not measured): the first runs of each node, caches, connection pools, and the lazy
+        # imports of the part that assembles and validates (whichever node settles last: several steps).
+        for step in range(1, args.warmup + 1):
+            commit_step(step)
+            wait_verified(step)
+        fleet.wait_for("warm-up runs finished", lambda: all(
+            r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in fleet.ingest_runs()), 120)
+        e0 = events_settled(fleet)
         cpu.mark()
         c0 = db_counters(fleet)
         t0 = time.time()
         markers: dict[int, float] = {}
-        for step in range(1, args.steps + 1):
+        for step in range(args.warmup + 1, args.warmup + steps + 1):
             if args.every:
                 time.sleep(max(0.0, t0 + (step - 1) * args.every - time.time()))
             markers[step] = commit_step(step)
@@ -225,12 +263,13 @@ def main() -> None:
                 wait_verified(step)
         for step in markers:
             wait_verified(step)
-        t1 = time.time()
-        totals = cpu.totals()
-        c1 = db_counters(fleet)
-        load1 = os.getloadavg()
         fleet.wait_for("every run finished", lambda: all(
             r.state_type.value in ("COMPLETED", "FAILED", "CRASHED") for r in fleet.ingest_runs()), 120)
+        t1 = time.time()
+        totals = cpu.totals()
+        e1 = events_settled(fleet)
+        c1 = db_counters(fleet)
+        load1 = os.getloadavg()
         runs: list = []
         while True:  # the API answers at most 200 at a time
             page = fleet.api(lambda c, off=len(runs): c.read_flow_runs(
@@ -242,15 +281,14 @@ def main() -> None:
             row = cat.get(RUN, step)
             ev = {e["detail"].get("to"): e["at"].timestamp() for e in cat.events(row.id, kind="state")}
             mine = [r for r in runs  # the whole last name: step-1 must not match step-10's runs
-                    if str((r.parameters or {}).get("snapshot", "")).rstrip("/").endswith(f"/{RUN}/step-{step}")]
+                    if str((r.parameters or {}).get("snapshot", "")).rstrip("/").endswith(f"/{RUN}/step-{step}")
+                    and r.start_time and r.end_time]
             first_marker = min((fleet.root(n) / RUN / f"step-{step}" / "COMMITTED").stat().st_mtime for n in nodes)
             results.append({
                 "total": ev["verified"] - t_marker,
                 "first marker -> verified": ev["verified"] - first_marker,
-                "marker -> run created": statistics.median(
-                    r.created.timestamp() - first_marker for r in mine),
-                "created -> started": statistics.median(
-                    r.start_time.timestamp() - r.created.timestamp() for r in mine),
+                "marker -> run created": statistics.median(r.created.timestamp() - first_marker for r in mine),
+                "created -> started": statistics.median(r.start_time.timestamp() - r.created.timestamp() for r in mine),
                 "flow run": statistics.median(r.end_time.timestamp() - r.start_time.timestamp() for r in mine),
                 "last run ended -> verified": ev["verified"] - max(r.end_time.timestamp() for r in mine),
                 "runs": len(mine)})
@@ -258,47 +296,104 @@ def main() -> None:
         if cpu is not None:
             cpu.stop.set()
         fleet.close()
+    n = len(results)
+    return {"lane": lane, "nodes": n_nodes, "ranks": n_ranks, "n": n, "load": (load0[0], load1[0]),
+            "window": t1 - t0, "results": results, "cpu": {g: totals.get(g, 0.0) / n for g in GROUPS},
+            "counters": {k: (c1[k] - c0[k]) / n for k in c1},
+            "events": {k: (v - e0.get(k, 0)) / n for k, v in sorted(e1.items()) if v != e0.get(k, 0)}}
 
-    # Peer: the same parts ingested directly in this warm process, no Prefect (Safepoint's own work).
+
+def cpu_self_and_children() -> float:
+    """CPU seconds of this process and of the children it reaped (the validation's sandboxed reader),
+    as the fleet's executors are counted."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def peer_ingest(work: Path, n_nodes: int, n_ranks: int, steps: int) -> float:
+    """The same parts ingested directly in this warm process, no Prefect: median CPU seconds per checkpoint."""
     from safepoint.catalog.store import open_catalog
     from safepoint.core.config import Config
     from safepoint.ops.ingest import ingest
 
+    nodes = [f"n{i}" for i in range(n_nodes)]
+    world = n_nodes * n_ranks
     peer_cat = open_catalog(f"sqlite:///{work / 'peer.db'}")
-    peer = []
-    for step in range(1000, 1000 + args.peer_steps):
-        folders = [write_part(work / "peer" / n, step, n, ranks[n], world) for n in nodes]
-        t = time.perf_counter()
+    out = []
+    for step in range(1000, 1000 + steps + 1):
+        folders = [write_part(work / "peer" / n, step, n, list(range(i * n_ranks, (i + 1) * n_ranks)), world)
+                   for i, n in enumerate(nodes)]
+        t = cpu_self_and_children()
         for folder in folders:
             ingest(folder, [(work / "peer-durable").as_uri()], peer_cat, Config())
-        peer.append(time.perf_counter() - t)
+        if step > 1000:  # the first is the warm-up
+            out.append(cpu_self_and_children() - t)
         assert peer_cat.get(RUN, step).state.value == "verified"
+    return statistics.median(out)
 
-    n = len(results)
-    totals_ = [r["total"] for r in results]
-    window = t1 - t0
-    print(f"\n{len(nodes)} nodes x {args.ranks} ranks x {n} steps, worker poll {args.query_seconds:g}s, "
-          f"{'closed loop' if not args.every else f'a step every {args.every:g}s'}; load {load0[0]:.1f} -> "
-          f"{load1[0]:.1f} ({os.cpu_count()} cores)")
-    print(f"marker (last part) -> verified: p50 {pct(totals_, .5):.2f}s, p95 {pct(totals_, .95):.2f}s, "
+
+def report(r: dict, peer_cpu: float) -> None:
+    res = r["results"]
+    totals_ = [x["total"] for x in res]
+    print(f"\n[{r['lane']}] {r['nodes']} nodes x {r['ranks']} ranks x {r['n']} steps; load {r['load'][0]:.1f} -> "
+          f"{r['load'][1]:.1f} ({os.cpu_count()} cores)")
+    print(f"  marker (last part) -> verified: p50 {pct(totals_, .5):.2f}s, p95 {pct(totals_, .95):.2f}s, "
           f"min {min(totals_):.2f}s, max {max(totals_):.2f}s")
-    stages = ["first marker -> verified", "marker -> run created", "created -> started", "flow run",
-              "last run ended -> verified"]
-    print("stages (median over checkpoints; per checkpoint the median over its parts' runs):")
-    for s in stages:
-        print(f"  {s:28s} {statistics.median(r[s] for r in results):6.2f}s")
-    print(f"checkpoints per hour: {n / window * 3600:.0f} ({n} in {window:.1f}s); "
-          f"flow runs {sum(r['runs'] for r in results)} ({len(nodes)} per checkpoint expected)")
-    print("CPU seconds per checkpoint:")
-    for g in ("prefect server", "prefect db", "catalog db", "workers+flow runs", "watchers"):
-        print(f"  {g:20s} {totals.get(g, 0.0) / n:7.3f}s")
-    print("per checkpoint:")
-    for k in c1:
-        print(f"  {k:24s} {(c1[k] - c0[k]) / n:8.1f}")
-    print(f"peer (the same {len(nodes)} parts ingested directly, warm process, no Prefect): "
-          f"median {statistics.median(peer):.2f}s per checkpoint (n={len(peer)}); "
-          f"through the fleet p50 {pct(totals_, .5):.2f}s = {pct(totals_, .5) / statistics.median(peer):.1f}x")
-    print("per checkpoint totals (s): " + ", ".join(f"{t:.1f}" for t in totals_))
+    for st in ("first marker -> verified", "marker -> run created", "created -> started", "flow run",
+               "last run ended -> verified"):
+        print(f"  {st:28s} {statistics.median(x[st] for x in res):6.2f}s (median)")
+    print(f"  checkpoints per hour: {r['n'] / r['window'] * 3600:.0f} ({r['n']} in {r['window']:.1f}s); "
+          f"flow runs {sum(x['runs'] for x in res)} ({r['nodes']} per checkpoint expected)")
+    print("  CPU seconds per checkpoint: " + ", ".join(f"{g} {v:.3f}" for g, v in r["cpu"].items() if v))
+    print(f"  executors / peer ({peer_cpu:.3f} CPU s per checkpoint in a warm process): "
+          f"{r['cpu']['executors'] / peer_cpu:.1f}x")
+    c = r["counters"]
+    per_part = c['prefect events'] / r['nodes']
+    print(f"  per checkpoint: {c['prefect events']:.1f} Prefect events ({per_part:.1f} per part), "
+          f"Prefect db {c['prefect db xacts']:.0f} xacts, catalog db {c['catalog db xacts']:.0f} xacts, "
+          f"catalog rows {c['catalog rows inserted']:.0f} inserted / {c['catalog rows updated']:.0f} updated")
+
+
+def side_by_side(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"\n[{r['lane']}] {r['nodes']}x{r['ranks']}: Prefect events per checkpoint by name: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["events"].items()))
+    print("\n| config | lane | p50 s | p95 s | ckpt/h | events/part | API CPU s | db CPU s | redis CPU s | "
+          "executors CPU s | Prefect xacts |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = [x["total"] for x in r["results"]]
+        c, cpu = r["counters"], r["cpu"]
+        print(f"| {r['nodes']}x{r['ranks']}x{r['n']} | {r['lane']} | {pct(t, .5):.2f} | {pct(t, .95):.2f} | "
+              f"{r['n'] / r['window'] * 3600:.0f} | {c['prefect events'] / r['nodes']:.1f} | "
+              f"{cpu['api servers'] + cpu['prefect services']:.2f} | {cpu['prefect db']:.2f} | {cpu['redis']:.2f} | "
+              f"{cpu['executors'] + cpu['watchers']:.2f} | {c['prefect db xacts']:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="4x8x10,8x4x10", help="NODESxRANKSxSTEPS, comma-separated")
+    ap.add_argument("--lanes", default="warm,deploy")
+    ap.add_argument("--api-servers", type=int, default=2, help="2: two API servers + Redis + services apart")
+    ap.add_argument("--query-seconds", type=float, default=1.0, help="PREFECT_WORKER_QUERY_SECONDS (deploy lane)")
+    ap.add_argument("--every", type=float, default=0.0, help="seconds between steps; 0: when verified")
+    ap.add_argument("--peer-steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    ap.add_argument("--work", default=None)
+    args = ap.parse_args()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="sp-fleet-"))
+    rows = []
+    for config in args.configs.split(","):
+        n_nodes, n_ranks, steps = (int(x) for x in config.lower().split("x"))
+        peer_cpu = peer_ingest(work / f"peer-{config}", n_nodes, n_ranks, args.peer_steps)
+        for lane in args.lanes.split(","):
+            r = run_lane(args, lane, n_nodes, n_ranks, steps, work / f"{config}-{lane}")
+            report(r, peer_cpu)
+            rows.append(r)
+    side_by_side(rows)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ Failed with the verdict as its message for corrupt/invalid/incomplete or a faile
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.states import Failed, State
 
 from safepoint.catalog.store import open_catalog
@@ -28,11 +31,11 @@ from safepoint.flows.credentials import resolve_destinations
 from safepoint.flows.run_logs import route_to_run_logs
 from safepoint.local.credentials import reveal_credentials
 from safepoint.local.snapshot import read_small
+from safepoint.ops import trend
 from safepoint.ops.ingest import PREPARED, IngestOutcome, run_ingest
 from safepoint.rules.outcome import decide
-from safepoint.tasks.artifacts import publish_validation_report
 from safepoint.tasks.runner import PrefectSteps
-from safepoint.tasks.trend import publish_norm_trend
+from safepoint.validation import report as vr
 
 
 def _fmt_bytes(n: float) -> str:
@@ -68,6 +71,47 @@ def _report_markdown(out: IngestOutcome, detail: dict[str, Any], ranks: list[dic
             lines.append(f"| {rank} | {r['node'] or '-'} | {r['delivered_at']:%H:%M:%S} |" if r
                          else f"| {rank} | - | **missing** |")
     return "\n".join(lines) + "\n"
+
+
+def publish_report(catalog: Any, checkpoint_id: int, out: IngestOutcome, detail: dict[str, Any]) -> None:
+    """One markdown artifact per ingest: the ingest report, preceded by the validation report when this
+    ingest reached the verdict (key `validation-RUN-STEP`, else `ingest-RUN-STEP`); the per-tensor table
+    only for an invalid checkpoint, where it says which tensors failed. Each keyed artifact is two
+    Prefect events (created, collection): this keeps a part at most 12 (issue 35)."""
+    row = catalog.get_by_id(checkpoint_id)
+    ingest_md = _report_markdown(out, detail, catalog.ranks(checkpoint_id), row.world_size)
+    where = f"Safepoint ingest of {out.run}/{out.step}" + (f" (part {detail['part']})" if detail["part"] else "")
+    v = catalog.latest_validation(checkpoint_id) if out.state in (CS.VERIFIED, CS.INVALID) else None
+    try:
+        if v is None:
+            create_markdown_artifact(key=vr.artifact_key("ingest", out.run, out.step), markdown=ingest_md,
+                                     description=where)
+            return
+        stats = catalog.tensor_stats(v.id)
+        create_markdown_artifact(key=vr.artifact_key("validation", row.run, row.step),
+                                 markdown=vr.markdown(row.run, row.step, str(row.state), v.report, stats)
+                                 + "\n" + ingest_md + "\n" + _trend_markdown(catalog, row.run),
+                                 description=f"Safepoint validation of {row.run}/{row.step}: {row.state}; {where}")
+        if out.state is CS.INVALID:
+            create_table_artifact(key=vr.artifact_key("validation-tensors", row.run, row.step),
+                                  table=vr.tensor_rows(v.report, stats),
+                                  description=f"Tensors of {row.run}/{row.step}: verdict and stats (flagged first)")
+    except Exception as e:  # noqa: BLE001 - artifacts are a view; the catalog holds the report
+        logging.getLogger("safepoint").warning("artifacts for %s/%s not created: %s", out.run, out.step, e)
+
+
+#: the newest steps the verdict's artifact shows the norm trend of
+TREND_STEPS = 20
+
+
+def _trend_markdown(catalog: Any, run: str) -> str:
+    """The run's norm trend (what `safepoint plot` draws) in the verdict's artifact: no artifact, and so
+    no Prefect events, of its own. Empty when it cannot be read: the catalog holds the stats."""
+    try:
+        return trend.markdown(trend.run_trend(catalog, run, last=TREND_STEPS), last=TREND_STEPS)
+    except Exception as e:  # noqa: BLE001 - a view of the catalog
+        logging.getLogger("safepoint").warning("norm trend of %s not shown: %s", run, e)
+        return ""
 
 
 def run_name(snapshot: str) -> str:
@@ -131,16 +175,7 @@ def ingest(snapshot: str, to: list[str], model: str | None = None, catalog_url: 
     if not detail.get("skipped"):
         emit_outcome(out.run, out.step, detail.get("node"), str(out.state), out.message)
     if done.checkpoint_id is not None and not detail.get("skipped"):
-        row = catalog.get_by_id(done.checkpoint_id)
-        if out.state in (CS.VERIFIED, CS.INVALID):
-            publish_validation_report(catalog, done.checkpoint_id)
-            publish_norm_trend(catalog, out.run)
-        create_markdown_artifact(
-            key=f"ingest-{out.run}-{out.step}".lower().replace("_", "-").replace(".", "-"),
-            markdown=_report_markdown(out, detail, catalog.ranks(done.checkpoint_id), row.world_size),
-            description=f"Safepoint ingest of {out.run}/{out.step}" + (f" (part {detail['part']})"
-                                                                      if detail["part"] else ""),
-        )
+        publish_report(catalog, done.checkpoint_id, out, detail)
     return run_state(out.result())
 
 
@@ -157,13 +192,39 @@ def heartbeat_updates(flows_settings: Any) -> dict[Any, Any]:
     return {} if "heartbeat_frequency" in flows_settings.model_fields_set else {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
 
 
+@contextmanager
+def without_heartbeat() -> Iterator[None]:
+    """`heartbeat_updates` in force for the block. A no-op where they are already (a long-lived process
+    enters it once, `safepoint serve --watch`): copying Prefect's settings costs 0.2-0.4 CPU s, more
+    than the ingest of a small part."""
+    from prefect.settings import get_current_settings, temporary_settings
+
+    flows = get_current_settings().flows
+    updates = heartbeat_updates(flows)
+    if not updates or flows.heartbeat_frequency is None:
+        yield
+        return
+    with temporary_settings(updates=updates):
+        yield
+
+
+@contextmanager
+def warm_process() -> Iterator[None]:
+    """For a process that runs many ingests (`safepoint serve --watch`): the heartbeat settings once,
+    and one Prefect client for every flow and task run in it (Prefect's engine reuses the client of
+    an entered SyncClientContext): no settings copy, no new HTTP client, TLS context (about 30 ms of
+    CPU) or connection per ingest."""
+    from prefect.context import SyncClientContext
+
+    with without_heartbeat(), SyncClientContext.get_or_create():
+        yield
+
+
 def ingest_result(**params: Any) -> dict[str, Any]:
     """Run the ingest flow in this process and return its result dict whatever the run's state (the
     CLI turns the state into exit 0/1/2); an exception raised inside the flow is raised here, as a
     plain call would."""
-    from prefect.settings import get_current_settings, temporary_settings
-
-    with temporary_settings(updates=heartbeat_updates(get_current_settings().flows)):
+    with without_heartbeat():
         state = ingest(**params, return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):

@@ -23,6 +23,8 @@ T = TypeVar("T")
 STEP_OPTIONS: dict[str, dict[str, Any]] = {
     "replicate": {"retries": 3, "retry_delay_seconds": exponential_backoff(backoff_factor=2),
                   "retry_jitter_factor": 0.5, "retry_condition_fn": retry_on_infrastructure},
+    "replicate+verify": {"retries": 3, "retry_delay_seconds": exponential_backoff(backoff_factor=2),
+                         "retry_jitter_factor": 0.5, "retry_condition_fn": retry_on_infrastructure},
     "prune-run": {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=5),
                   "retry_condition_fn": retry_on_infrastructure},
     "evict-root": {"retries": 2, "retry_delay_seconds": 10, "retry_condition_fn": retry_on_infrastructure},

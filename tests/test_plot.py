@@ -136,7 +136,7 @@ def test_markdown_shows_the_trend_and_the_marked_steps(run):
     assert "·" in spark  # step 3's NaN second moment is a gap, not a point
 
 
-def test_the_ingest_flow_publishes_the_trend_artifact(run, prefect_api, tmp_path):
+def test_the_ingest_flows_verdict_artifact_ends_with_the_trend(run, prefect_api, tmp_path):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -152,7 +152,7 @@ def test_the_ingest_flow_publishes_the_trend_artifact(run, prefect_api, tmp_path
 
     async def read():
         async with get_client() as client:
-            key = ArtifactFilter(key=ArtifactFilterKey(any_=["norms-tiny"]))
+            key = ArtifactFilter(key=ArtifactFilterKey(any_=["validation-tiny-7"]))
             return await client.read_artifacts(artifact_filter=key)
 
     [art] = anyio.run(read)

@@ -1,7 +1,8 @@
 """Command group for event-driven operation: `serve`, `watch --emit`, `metrics`, `parts`.
 
-- `safepoint serve` runs the ingest (event trigger), scrub and completeness deployments from one
-  process with Prefect's `serve(...)`, for hosts without work-pool infrastructure;
+- `safepoint serve --watch ROOT` is the warm lane: this node's ingests run in this process, each an
+  ingest flow run (`serve_warm`); without --watch, `safepoint serve` runs the ingest (event
+  trigger), scrub and completeness deployments from one process with Prefect's `serve(...)`;
 - `safepoint watch ROOT --emit` watches ROOT (inotify where available, polling otherwise) and
   emits one deterministic event per marker, confirmed through the catalog (safepoint.events);
   without `--emit`, `watch` ingests in-process as before (safepoint.cli.events_cmds.cmd_watch);
@@ -27,6 +28,8 @@ def cmd_serve(args) -> int:
     from safepoint.ops import metrics
 
     api_url()
+    if args.watch:
+        return serve_warm(args)
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(max(1, int(args.poll))))
     cat = _catalog(args)  # migrate before flows start, so schema errors surface plainly
     if args.catalog:
@@ -45,6 +48,48 @@ def cmd_serve(args) -> int:
     serve_all(deployments, limit=args.limit, query_seconds=args.poll, pause_on_shutdown=False,
               print_starting_message=args.verbose)
     return EXIT_OK
+
+
+def serve_warm(args) -> int:
+    """`safepoint serve --watch ROOT`: the warm lane, the fleet's default (docs/scale.md).
+
+    This node's watcher runs each ingest of a part under ROOT (its own disks: node affinity by
+    construction) as an ingest flow run in this long-lived process: no interpreter start, no work
+    pool poll, no trigger; Prefect still sees the run, its two steps, their retries, logs and
+    artifacts, through any of the API servers behind PREFECT_API_URL. A killed process loses
+    nothing: the catalog holds what was done, and on restart the watcher offers every folder not
+    yet in an end state again (reconcile, then the steps, each idempotent). Scrub and completeness
+    stay deployments (`safepoint serve` without --watch, or prefect.yaml's, once per fleet); the
+    watcher applies multi-node timeouts itself.
+    """
+    import argparse
+
+    from safepoint.cli.common import watch_here
+
+    if not args.to:
+        raise UsageError("serve --watch needs --to URL (where this node's checkpoints go)")
+    if args.metrics_port:
+        from safepoint.cli.common import _catalog, err
+        from safepoint.ops import metrics
+
+        metrics.serve(args.metrics_port, _catalog(args).url, addr=args.metrics_addr)
+        err.print(f"metrics on http://{args.metrics_addr}:{args.metrics_port}/metrics")
+    if args.timeout is not None:
+        os.environ["SAFEPOINT_MULTINODE_TIMEOUT_S"] = str(args.timeout)
+    watch = argparse.Namespace(**vars(args))
+    watch.root, watch.once, watch.interval = args.watch, False, args.poll
+    watch.no_timeouts, watch.timeouts_every, watch.poll_only = not args.completeness_every, \
+        args.completeness_every or 10.0, False
+    from safepoint.flows.ingest import warm_process
+    from safepoint.flows.watch import crash_orphaned_runs
+
+    crashed = crash_orphaned_runs(args.watch)
+    if crashed:
+        from safepoint.cli.common import err
+
+        err.print(f"marked {crashed} ingest run(s) of a stopped executor Crashed; their folders are ingested again")
+    with warm_process():  # settings and the Prefect client once for the process, not once per ingest
+        return watch_here(watch)
 
 
 def cmd_watch(args) -> int:
@@ -122,8 +167,12 @@ def cmd_parts(args) -> int:
 
 def register(sub) -> None:
     s = sub.add_parser("serve")
+    s.add_argument("--watch", metavar="ROOT",
+                   help="the warm lane (a fleet's default): ingest each committed folder under ROOT in this process, "
+                        "each an ingest flow run; without it, the event-triggered deployments")
     s.add_argument("--to", action="append", default=[], metavar="URL",
-                   help="default destination URL(s) of the ingest deployment")
+                   help="destination URL(s): of the ingest deployment, or of --watch's ingests")
+    s.add_argument("--model", help="with --watch: model factory package.module:function for a strict load check")
     s.add_argument("--node", help="only ingest markers from this node (deployment names get '-NODE')")
     s.add_argument("--name", default="ingest", help="ingest deployment name (default: ingest)")
     s.add_argument("--poll", type=float, default=2.0, help="seconds between the runner's polls (Prefect: 10)")

@@ -112,9 +112,11 @@ COMMANDS: dict[str, Command] = {
         ("0  the latest validation passed", "1  it failed, or the checkpoint was never validated or is unknown",
          ERROR)),
     "serve": Command(
-        "run the ingest (event-triggered), scrub and completeness deployments here", (EVENTS,),
+        "run this node's ingests warm (--watch ROOT), or the event-triggered deployments", (EVENTS,),
         ("0  stopped (Ctrl-C or SIGTERM)", ERROR),
-        "Serve Safepoint's deployments from this process with Prefect's serve(): ingest on each "
+        "With --watch ROOT (a fleet's default): ingest each committed folder under ROOT in this long-lived "
+        "process, each an ingest flow run Prefect sees, with no interpreter start per checkpoint. Without it, "
+        "serve Safepoint's deployments from this process with Prefect's serve(): ingest on each "
         "safepoint.checkpoint.committed event, scrub and multi-node completeness on a schedule. No work pool "
         "is needed."),
     "metrics": Command("print Safepoint's Prometheus metrics once", (EVENTS,), (OK, ERROR)),

@@ -194,21 +194,37 @@ class IngestHere:
     code; `snap` is the folder opened, so the ingest need not read its control files again).
 
     A folder whose ingest raises (a step the catalog cannot hold, an unreachable destination) is set
-    aside until its marker changes and the others go on; one that ended without an end state (a
-    failed copy, a part that waits for the others) is offered again on the next pass. `worst` is the
-    worst exit code so far: 1 for a verdict (hostile control files among them), 2 for a failure.
+    aside until its marker changes and the others go on; one that ended without an end state is
+    offered again: a failed copy on the next pass, a part delivered that waits for the others only
+    after `recheck_s` (the other nodes' last part assembles the set; this is the safety net, and
+    re-ingesting a waiting part every pass would cost a flow run per pass). `worst` is the worst
+    exit code so far: 1 for a verdict (hostile control files among them), 2 for a failure.
     """
 
     def __init__(self, catalog: Catalog, ingest: Callable[[Path, LocalSnapshot], int],
-                 describe: Callable[[BaseException], str] = str):
+                 describe: Callable[[BaseException], str] = str, *, recheck_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.catalog, self.ingest, self.describe = catalog, ingest, describe
+        self.recheck_s, self.clock = recheck_s, clock
         self.worst = EXIT_OK
+        self._waiting: dict[Path, float] = {}  # a delivered part -> when to offer it again
+        self._done: dict[Path, tuple[int, int] | None] = {}  # finished folders -> their marker when seen so
 
     def wants(self, folder: Path) -> bool:
-        return not finished(self.catalog, folder)
+        if self.clock() < self._waiting.get(folder, 0.0):
+            return False
+        ident = marker_identity(folder)
+        if folder in self._done and self._done[folder] == ident:  # a stat, not a catalog query per pass
+            return False
+        if finished(self.catalog, folder):
+            self._waiting.pop(folder, None)
+            self._done[folder] = ident
+            return False
+        return True
 
     def offer(self, folder: Path, snap: LocalSnapshot, say: Say) -> Offer:
         say(f"ingesting {folder}")
+        self._waiting.pop(folder, None)
         try:
             code = self.ingest(folder, snap)
         except Exception as e:  # noqa: BLE001 - one bad folder never stops the watcher
@@ -216,6 +232,8 @@ class IngestHere:
             self.worst = max(self.worst, EXIT_ERROR)
             return Offer(took=True, settle=True)
         self.worst = max(self.worst, code)
+        if code == EXIT_OK and not finished(self.catalog, folder):  # delivered; the set is not complete yet
+            self._waiting[folder] = self.clock() + self.recheck_s
         return Offer(took=True, settle=False)
 
     def refuse(self, folder: Path, error: FormatError, say: Say) -> None:

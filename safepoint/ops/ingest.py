@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,12 +95,12 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     t0 = time.perf_counter()
     snapshot = str(folder)
     try:
-        snap = prepared.snap if prepared is not None else runner.run("open-snapshot", LocalSnapshot.open, folder)
+        snap = prepared.snap if prepared is not None else LocalSnapshot.open(folder)
         if is_part(snap.manifest):
             check_part(snap.manifest)  # a part that breaks the layout rules is refused like a broken folder
     except FormatError as e:
         log.error("not ingesting %s: %s", snapshot, e)
-        row = runner.run("quarantine", steps.quarantine, catalog, folder, str(e))  # corrupt: watchers stop
+        row = steps.quarantine(catalog, folder, str(e))  # corrupt: watchers stop
         if row is not None:  # an event-driven watcher waits for this record, whatever the outcome
             record_done(catalog, row.id, {"event_id": event_id, "snapshot": snapshot, "run": row.run,
                                           "step": row.step, "state": str(row.state), "error": redact(str(e))})
@@ -120,31 +120,71 @@ def run_ingest(folder: str | Path, destinations: list[str], catalog: Catalog, co
     # The dry-run load reads the local bytes while the upload does (one page-cache pass, overlapped);
     # its report is recorded only once the replicas are verified. Leaving this block waits for it.
     with MemorySampler() as mem, ThreadPoolExecutor(1, thread_name_prefix="safepoint-validate") as beside:
-        # Repair what a crashed earlier attempt left at these destinations (scoped, cheap).
-        runner.run("reconcile", reconcile_scope, catalog, m.run, m.step, to, config)
-        checkpoint_id = runner.run("register", steps.register, catalog, snap).id
+        # Repair what a crashed earlier attempt left at these destinations (scoped, cheap), then register.
+        # Both run in the ingest itself: neither retries nor shows anything a task run would add.
+        reconcile_scope(catalog, m.run, m.step, to, config)
+        checkpoint_id = steps.register(catalog, snap).id
         judged = None if is_part(m) else beside.submit(judge, catalog, checkpoint_id, snap, model=factory,
                                                          config=config)
         limit = getattr(runner, "host_limit", None)  # Prefect's global concurrency limit, where there is one
-        answers = runner.map("replicate", replicate_one,
+        answers = runner.map(REPLICATE, replicate_one,
                              [(catalog, checkpoint_id, snap, url, config, limit) for url in to])
         results = [_as_result(url, a) for url, a in zip(to, answers)]
-        if is_part(m):
-            settled = runner.run("settle-part", assemble.settle_part, catalog, checkpoint_id, snap, results, to,
-                                 config)
-            log.info("%s/%s part %s: %s (%s)", m.run, m.step, part_key(m.held_ranks), settled.state,
-                     settled.message)
-            if settled.won:
-                runner.run("validate", assemble.validate_assembled, catalog, checkpoint_id, config, factory)
-        elif runner.run("settle-replication", steps.settle, catalog, checkpoint_id, results) is CS.REPLICATED:
-            runner.run("validate", validate_checkpoint, catalog, checkpoint_id, snap, model=factory, config=config,
-                       judged=judged)
-    out = steps.outcome(catalog, checkpoint_id, part=_part(m))
-    detail = done_detail(snap, snapshot, event_id, out, results, t0, mem.min_ratio)
-    runner.run("record-ingest", record_done, catalog, checkpoint_id, detail)
+        end = Ending(snap, snapshot, event_id, factory, t0, mem)
+        out, detail = runner.run(VALIDATE, settle_validate_record, catalog, checkpoint_id, results, to, config, end,
+                                 judged)
     export.after_ingest(catalog, checkpoint_id, config)  # [export.*] trackers: verified ones only, never raises
     log.info("%s/%s ended %s", out.run, out.step, out.state)
     return IngestReport(out, checkpoint_id, detail)
+
+
+#: The ingest's two steps a runner sees (Prefect: two task runs, about 3 events each; issue 35): the
+#: copies, each read back (per destination, retried), then the verdict and its record.
+REPLICATE = "replicate+verify"
+VALIDATE = "validate+record"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the last step needs besides the catalog and the copies' results."""
+
+    snap: LocalSnapshot
+    snapshot: str
+    event_id: str | None
+    factory: str | None
+    t0: float
+    mem: MemorySampler
+
+
+def settle_validate_record(catalog: Catalog, checkpoint_id: int, results: list[ReplicaResult], to: list[str],
+                           config: Config, end: Ending, judged: Future | None = None
+                           ) -> tuple[IngestOutcome, dict[str, Any]]:
+    """Settle the copies (a part: assemble the set when it is complete), validate when due, and record
+    `ingest.done`: one step, since none of these retries on its own and each says what it did in the log."""
+    snap, m = end.snap, end.snap.manifest
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    if is_part(m):
+        settled = assemble.settle_part(catalog, checkpoint_id, snap, results, to, config)
+        timings["verify"] = time.perf_counter() - t
+        log.info("%s/%s part %s: %s (%s)", m.run, m.step, part_key(m.held_ranks), settled.state, settled.message)
+        if settled.won:
+            t = time.perf_counter()
+            assemble.validate_assembled(catalog, checkpoint_id, config, end.factory)
+            timings["validate"] = time.perf_counter() - t
+    elif steps.settle(catalog, checkpoint_id, results) is CS.REPLICATED:
+        timings["verify"] = time.perf_counter() - t
+        t = time.perf_counter()
+        validate_checkpoint(catalog, checkpoint_id, snap, model=end.factory, config=config, judged=judged)
+        timings["validate"] = time.perf_counter() - t
+    elif judged is not None:
+        judged.cancel()  # no verified copy: the dry-run load has nothing to decide
+    out = steps.outcome(catalog, checkpoint_id, part=_part(m))
+    detail = done_detail(snap, end.snapshot, end.event_id, out, results, end.t0, end.mem.min_ratio)
+    record_done(catalog, checkpoint_id, detail)
+    log.info("%s/%s%s: %s", m.run, m.step, f" part {_part(m)}" if is_part(m) else "",
+             ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) or "not replicated")
+    return out, detail
 
 
 def _part(m: Manifest) -> str | None:
