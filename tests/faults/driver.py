@@ -9,7 +9,7 @@ per line on stdin, forks a child per command, prints `{"pid": ...}` at once (so 
 A child can also kill itself at the N-th traced I/O event (`kill_at`): fsync, rename, link,
 unlink, rmdir, and the begin and commit of every catalog transaction. Counting events instead of
 time makes the kill land on every kind of step with the same odds, and makes a failure
-reproducible from its number. Phases (commit, register, replicate, settle, validate, prune) are
+reproducible from its number. Phases (commit, replicate, validate, prune) are
 appended to `phase_file` as they start, so the test knows where the kill landed.
 """
 
@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from safepoint.ops.ingest import REPLICATE, VALIDATE
 from safepoint.ops.runner import Inline
 
 TRACED_OS = ("fsync", "replace", "rename", "link", "unlink", "rmdir")
@@ -83,8 +84,8 @@ class Phases:
 class Traced(Inline):
     """The inline step runner, announcing each ingest step before it runs (what the kill points key on)."""
 
-    LABELS = {"register": "register", "replicate": "replicate", "settle-replication": "settle",
-              "settle-part": "settle", "validate": "validate"}
+    # the ingest's two steps (safepoint.ops.ingest); registering runs inside the ingest, before them
+    LABELS = {REPLICATE: "replicate", VALIDATE: "validate"}
 
     def __init__(self, phase: Phases):
         self.phase = phase
