@@ -68,6 +68,20 @@ def pg_reachable() -> bool:
         return False
 
 
+def require(ok: bool, why: str, flag: str) -> None:
+    """Skip the test when a service is missing, or fail it where `flag` is set to 1 (CI, .ci/run)."""
+    if not ok:
+        import pytest
+
+        if os.environ.get(flag) == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def require_postgres() -> None:
+    require(pg_reachable(), f"PostgreSQL unreachable at {PG_HOST}:{PG_PORT} (psql)", "SAFEPOINT_REQUIRE_POSTGRES")
+
+
 class Balancer:
     """A TCP round robin in front of the API servers, as a load balancer: each new connection goes to
     the next backend that accepts it; a dead one is skipped. A connection whose backend dies is

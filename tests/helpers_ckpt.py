@@ -6,6 +6,7 @@ model trained for a couple of real optimizer steps, so tests see the files train
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -175,3 +176,14 @@ def make_malicious_pickle(path: str | os.PathLike, sentinel: str | os.PathLike) 
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"x": _Sentinel(Path(sentinel)), "w": torch.ones(2)}, path, pickle_protocol=2)
     return path
+
+
+def seal_node_part(folder: Path, run: str, step: int, node: str, ranks, world: int) -> Path:
+    """Commit `folder` as node `node`'s part (ranks `ranks` of `world`); rank 0's node also writes the
+    shared config.json every rank reads."""
+    from safepoint import commit
+
+    if 0 in ranks:
+        (folder / "config.json").write_text(json.dumps({"world_size": world}))
+    commit(folder, run, step, world_size=world, ranks=list(ranks), node=node)
+    return folder

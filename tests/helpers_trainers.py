@@ -189,6 +189,14 @@ def torchtitan_style_dcp(out: Path, *, step: int = 10, fault: Callable[[dict], N
 
 # ------------------------------------------------------------------------------------------ faults
 
+def plant(path: Path, name: str, value: float) -> None:
+    """Plant `value` into tensor `name` of a safetensors or torch.save file, by its suffix."""
+    if path.suffix == ".safetensors":
+        plant_in_safetensors(path, name, value)
+    else:
+        plant_in_torch_file(path, name, value)
+
+
 def plant_in_safetensors(path: Path, name: str, value: float) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -14,7 +14,6 @@ Done-when of issue 23 (part one):
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from safepoint import commit
-from tests.fleet import REPO, Fleet, pg_reachable
+from tests.fleet import REPO, Fleet, require_postgres
 from tests.prefect_server import stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -37,11 +36,7 @@ ZOMBIE_WITHIN_S = 40  # no heartbeat this long after the last one: Crashed
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if not pg_reachable():
-        why = "PostgreSQL unreachable at 127.0.0.1:5432 (psql)"
-        if os.environ.get("SAFEPOINT_REQUIRE_POSTGRES") == "1":  # CI (.ci/run): a failure, never a skip
-            pytest.fail(why)
-        pytest.skip(why)
+    require_postgres()  # CI (.ci/run): a failure, never a skip
     f = Fleet(tmp_path_factory.mktemp("fleet"), NODES, zombie_within_s=ZOMBIE_WITHIN_S, heartbeat_s=HEARTBEAT_S)
     try:
         f.start()

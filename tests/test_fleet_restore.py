@@ -6,7 +6,6 @@ tests/test_fleet_restore_s3.py.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from safepoint.rules.restore import (
     scope_ranks,
     scoped_files,
 )
+from tests.helpers_ckpt import seal_node_part
 
 NODES = {"n0": (0, 1), "n1": (2, 3), "n2": (4, 5)}
 WORLD = 6
@@ -113,10 +113,7 @@ def make_part(root: Path, run: str, step: int, node: str, ranks, *, kib: int = 1
     for r in ranks:
         g = torch.Generator().manual_seed(1000 * step + r)
         torch.save({"shard": torch.randn(kib * 256, generator=g)}, folder / f"rank{r:02d}.pt")
-    if 0 in ranks:
-        (folder / "config.json").write_text(json.dumps({"world_size": WORLD}))
-    commit(folder, run, step, world_size=WORLD, ranks=list(ranks), node=node)
-    return folder
+    return seal_node_part(folder, run, step, node, ranks, WORLD)
 
 
 @pytest.fixture

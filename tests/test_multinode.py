@@ -27,6 +27,7 @@ from safepoint.ops import assemble
 from safepoint.ops.ingest import ingest
 from safepoint.rules.completeness import Completeness, assess
 from safepoint.rules.resume import resume_point
+from tests.helpers_ckpt import seal_node_part
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 S = timedelta(seconds=1)
@@ -135,10 +136,7 @@ def make_part(root: Path, run: str, step: int, node: str, ranks, *, world: int =
         if nan and r == ranks[0]:
             w[0, 0] = float("nan")
         torch.save({"shard": w, "rank": torch.tensor(r)}, folder / f"rank{r:02d}.pt")
-    if 0 in ranks:
-        (folder / "config.json").write_text(json.dumps({"world_size": world}))
-    commit(folder, run, step, world_size=world, ranks=list(ranks), node=node)
-    return folder
+    return seal_node_part(folder, run, step, node, ranks, world)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ is certainly in flight when the fault strikes, then lets it go:
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from safepoint import commit
-from tests.fleet import Fleet, pg_reachable
+from tests.fleet import Fleet, require, require_postgres
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -33,16 +32,9 @@ NODES = ["n0", "n1"]
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    if not pg_reachable():
-        why = "PostgreSQL unreachable at 127.0.0.1:5432 (psql)"
-        if os.environ.get("SAFEPOINT_REQUIRE_POSTGRES") == "1":  # CI (.ci/run): a failure, never a skip
-            pytest.fail(why)
-        pytest.skip(why)
-    if shutil.which("redis-server") is None:
-        why = "redis-server not installed (Debian package redis-server)"
-        if os.environ.get("SAFEPOINT_REQUIRE_REDIS") == "1":  # CI (.ci/run)
-            pytest.fail(why)
-        pytest.skip(why)
+    require_postgres()
+    require(shutil.which("redis-server") is not None, "redis-server not installed (Debian package redis-server)",
+            "SAFEPOINT_REQUIRE_REDIS")
     f = Fleet(tmp_path_factory.mktemp("ha"), NODES, lane="warm", api_servers=2)
     try:
         f.start()

@@ -29,7 +29,7 @@ from tests.helpers_trainers import (
     accelerate_train,
     hf_trainer_run,
     lightning_run,
-    plant_in_safetensors,
+    plant,
     plant_in_torch_file,
     tiny_gpt2,
     torchtitan_style_dcp,
@@ -110,10 +110,7 @@ def test_hf_sharded_safetensors_with_index_are_verified(tmp_path: Path) -> None:
 ])
 def test_hf_planted_nan_is_invalid_and_named(hf, tmp_path: Path, where: str, name: str) -> None:
     folder = unsealed_copy(hf[0][1], tmp_path / "checkpoint-4")
-    if where.endswith(".safetensors"):
-        plant_in_safetensors(folder / where, name, math.nan)
-    else:
-        plant_in_torch_file(folder / where, name, math.nan)
+    plant(folder / where, name, math.nan)
     report = validate_snapshot(folder, step=4)
     assert report.outcome == "invalid" and problems(report) == {("nan", name)}
     [f] = report.findings
@@ -286,10 +283,7 @@ def test_accelerate_save_state_sealed_is_verified(tmp_path: Path) -> None:
 @pytest.mark.parametrize("where,name", [("model.safetensors", "0.weight"), ("optimizer.bin", "state.0.exp_avg")])
 def test_accelerate_planted_nan_is_invalid(tmp_path: Path, where: str, name: str) -> None:
     folder = accelerate_save_state(tmp_path / "acc")
-    if where.endswith(".safetensors"):
-        plant_in_safetensors(folder / where, name, math.nan)
-    else:
-        plant_in_torch_file(folder / where, name, math.nan)
+    plant(folder / where, name, math.nan)
     report = validate_snapshot(folder)
     assert report.outcome == "invalid" and problems(report) == {("nan", name)}
 

@@ -25,7 +25,7 @@ from safepoint.local.snapshot import LocalSnapshot, is_committed  # noqa: E402
 from safepoint.ops.ingest import ingest  # noqa: E402
 from safepoint.validation.settings import ValidationSettings  # noqa: E402
 from safepoint.validation.validate import validate_snapshot  # noqa: E402
-from tests.helpers_trainers import _Tokens, plant_in_safetensors, plant_in_torch_file, tiny_gpt2  # noqa: E402
+from tests.helpers_trainers import _Tokens, plant, tiny_gpt2  # noqa: E402
 
 BASE = "tests.test_trainers_peft:tiny_gpt2"         # the harness: the base model the adapter was trained on
 LORA_A = "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"
@@ -118,10 +118,7 @@ def test_one_harness_serves_every_adapter_checkpoint(peft_run, device: str) -> N
 def test_a_planted_nan_in_the_adapter_or_its_optimizer_state_is_invalid_and_named(peft_run, tmp_path: Path,
                                                                                   where: str, name: str) -> None:
     folder = unsealed_copy(peft_run[0][1], tmp_path / "checkpoint-4")
-    if where.endswith(".safetensors"):
-        plant_in_safetensors(folder / where, name, math.nan)
-    else:
-        plant_in_torch_file(folder / where, name, math.nan)
+    plant(folder / where, name, math.nan)
     report = validate_snapshot(folder, step=4)
     assert report.outcome == "invalid"
     assert {(f.problem.value, f.tensor, f.file) for f in report.findings} == {("nan", name, where)}
