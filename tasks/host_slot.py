@@ -15,6 +15,7 @@ on (the catalog lease still guards the checkpoint), as `concurrency(raise_on_lea
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import random
@@ -69,17 +70,41 @@ class BusyRetry(httpx.BaseTransport):
         self.inner.close()
 
 
-def _client() -> Any:
-    """Prefect's sync client; on plain HTTP (a local server) with the BusyRetry transport.
+#: Clients kept open for the process, by API URL: a new one per ingest cost two TLS contexts (about
+#: 50 ms of CPU, a fifth of a warm executor's Prefect cost per part; bench/fleet.py)
+_MAX_CLIENTS = 4
+_clients: dict[str, Any] = {}
+_clients_lock = threading.Lock()
 
-    Over HTTPS the client keeps its own transport, which carries Prefect's TLS settings."""
+
+def _client() -> Any:
+    """Prefect's sync client for this process's API URL, started once and shared by every slot taken
+    in it (httpx's client is thread-safe); on plain HTTP (a local server) with the BusyRetry
+    transport. Over HTTPS it keeps its own transport, which carries Prefect's TLS settings."""
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url or ""
-    if url.startswith("http://"):
-        return get_client(sync_client=True, httpx_settings={"transport": BusyRetry(httpx.HTTPTransport(retries=3))})
-    return get_client(sync_client=True)
+    with _clients_lock:
+        client = _clients.get(url)
+        if client is None:
+            if url.startswith("http://"):
+                client = get_client(sync_client=True,
+                                    httpx_settings={"transport": BusyRetry(httpx.HTTPTransport(retries=3))})
+            else:
+                client = get_client(sync_client=True)
+            client.__enter__()
+            if len(_clients) >= _MAX_CLIENTS:  # a process that met many servers (tests): the oldest goes
+                _clients.pop(next(iter(_clients))).__exit__(None, None, None)
+            _clients[url] = client
+        return client
+
+
+@atexit.register
+def _close_clients() -> None:
+    with _clients_lock:
+        while _clients:
+            _clients.popitem()[1].__exit__(None, None, None)
 
 
 def _holder() -> Any:
@@ -128,15 +153,15 @@ def host_slot(name: str, slots: int, wait_s: float, lease_s: float = LEASE_S) ->
     """Hold one slot of global concurrency limit `name` (created or resized to `slots`) for the block.
 
     LeaseBusy when every slot stays taken for `wait_s`."""
-    with _client() as client:
-        lease_id = _acquire(client, name, slots, wait_s, lease_s)
-        stop = threading.Event()
-        renewer = threading.Thread(target=contextvars.copy_context().run,
-                                   args=(_renew, client, lease_id, lease_s, stop), daemon=True, name=f"lease-{name}")
-        renewer.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            renewer.join()
-            client.release_concurrency_slots_with_lease(lease_id)
+    client = _client()
+    lease_id = _acquire(client, name, slots, wait_s, lease_s)
+    stop = threading.Event()
+    renewer = threading.Thread(target=contextvars.copy_context().run,
+                               args=(_renew, client, lease_id, lease_s, stop), daemon=True, name=f"lease-{name}")
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        client.release_concurrency_slots_with_lease(lease_id)

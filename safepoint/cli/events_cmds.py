@@ -184,7 +184,8 @@ def register(sub) -> None:
     s.add_argument("--timeout", type=float, help="multi-node timeout in seconds ([multinode] timeout_s)")
     s.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port")
     s.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port (default 127.0.0.1)")
-    s.set_defaults(fn=cmd_serve, prefect=True)
+    # --watch validates here: the sandbox's fork server holds torch, the executor never imports it
+    s.set_defaults(fn=cmd_serve, prefect=True, validates=lambda a: bool(a.watch))
 
     w = sub.choices.get("watch")
     if w is not None:

@@ -422,7 +422,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     console_logging(args.verbose)
     register_resolver(BLOCK_SCHEME, _resolve_block)  # catalogued block:// replicas open through their block
     # First: the sandbox's fork server imports torch while Prefect loads (`watch --emit` only sends events).
-    if getattr(args, "validates", False) and not getattr(args, "emit", False):
+    validates = getattr(args, "validates", False)  # a command's flag, or a rule over its arguments
+    if (validates(args) if callable(validates) else validates) and not getattr(args, "emit", False):
         _prestart_sandbox()
     if getattr(args, "prefect", False):  # commands that run flows or talk to Prefect's API
         ensure_api(on_start=lambda text: err.print(text))
