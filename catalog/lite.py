@@ -13,6 +13,7 @@ doubt. The listing's SQL is catalog.listing's, written once.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -63,6 +64,7 @@ class LiteCatalog:
     def __init__(self, db: Path, url: str):
         self.db, self._url = db, url
         self._proper: Catalog | None = None
+        self._held = threading.local()  # the connection of a one_read() block, per thread
 
     # -- the catalog proper, for anything not answered here --------------------------------------
     def proper(self) -> Catalog:
@@ -83,7 +85,24 @@ class LiteCatalog:
         return self._url
 
     @contextmanager
+    def one_read(self) -> Iterator[None]:
+        """Catalog.one_read: every read of this thread in the block on one connection, in one transaction."""
+        if getattr(self._held, "con", None) is not None:
+            yield
+            return
+        with self._connect() as con:
+            self._held.con = con
+            try:
+                yield
+            finally:
+                self._held.con = None
+
+    @contextmanager
     def _connect(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
+        held = None if write else getattr(self._held, "con", None)
+        if held is not None:
+            yield held
+            return
         con = sqlite3.connect(self.db, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         try:
             con.execute("PRAGMA foreign_keys = ON")

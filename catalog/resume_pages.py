@@ -103,7 +103,8 @@ class ResumePages(CatalogBase):
         Every page sees the same snapshot, so a paging decision (safepoint.rules.resume.resume_point_paged)
         gives the answer it would give on the whole run read at once. Usually one page, one statement.
         """
-        with self._ro_engine.connect() as conn, conn.begin():
+        with self._read() as s:
+            conn = s.connection()
 
             def fetch_page(below_step: int | None, limit: int) -> list[CheckpointView]:
                 return self.candidates_for_resume(run, max_step=max_step, before=before, below_step=below_step,

@@ -291,3 +291,42 @@ def test_any_ranks_for_a_node_that_takes_over(fleet, catalog, cfg, monkeypatch):
     assert _files(base / "spare") == {"rank01.pt", "rank02.pt", "config.json", "MANIFEST.json", "COMMITTED"}
     # The ranks of one node, without --node: committed under that node's name.
     assert restore("fr", base / "n2-ranks", catalog=catalog, config=cfg, ranks=[4, 5]).node == "n2"
+
+
+@pytest.mark.catalog_backends
+def test_a_node_chooses_its_checkpoint_in_one_catalog_read(fleet, catalog, monkeypatch):
+    """No herd: a restoring node reads the resume point, the checkpoint, its replicas and ranks in one
+    transaction, on the catalog proper (SQLite and PostgreSQL) and on the light one."""
+    import sqlite3
+
+    from sqlalchemy import event
+
+    import safepoint.catalog.lite as lite_mod
+    from safepoint.ops.restore import choose
+
+    begins: list[object] = []
+    on_begin = begins.append
+    event.listen(catalog.engine, "begin", on_begin)
+    try:
+        choice = choose(catalog, "fr", None)
+        assert len(begins) == 1, f"{len(begins)} read transactions"
+        assert choice.step == 1 and len(choice.holders) == WORLD and choice.replicas
+        begins.clear()
+        assert choose(catalog, "fr", 1) == choice and len(begins) == 1
+    finally:
+        event.remove(catalog.engine, "begin", on_begin)
+    if not catalog.url.startswith("sqlite"):
+        return
+    lite = lite_mod.open_fast(catalog.url)
+    assert isinstance(lite, lite_mod.LiteCatalog)
+    connects: list[object] = []
+    real = sqlite3.connect
+
+    def spy(*a, **k):
+        connects.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(lite_mod.sqlite3, "connect", spy)
+    assert choose(lite, "fr", None) == choice and choose(lite, "fr", 1) == choice
+    assert len(connects) == 2, connects   # one connection (one transaction) per choice
+    assert lite._proper is None

@@ -292,7 +292,14 @@ def _committed(into: Path) -> tuple[Manifest, bytes, bytes] | None:
 
 def choose(catalog: Catalog | LiteCatalog, run: str, step: int | None, *, min_replicas: int = 1,
            max_step: int | None = None) -> _Choice:
-    """The checkpoint to restore: `step` exactly, or the resume point at or below `max_step`."""
+    """The checkpoint to restore: `step` exactly, or the resume point at or below `max_step`; every
+    read in one catalog transaction (a fleet's N nodes: N reads, one snapshot each)."""
+    with catalog.one_read():
+        return _choose(catalog, run, step, min_replicas=min_replicas, max_step=max_step)
+
+
+def _choose(catalog: Catalog | LiteCatalog, run: str, step: int | None, *, min_replicas: int,
+            max_step: int | None) -> _Choice:
     if step is not None:
         row = catalog.get(run, step)
         if row is None:
