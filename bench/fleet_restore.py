@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -133,9 +134,26 @@ class Fleet:
             if node != replaced:
                 subprocess.run(["cp", "-al", str(folder), str(self.nvme(run, node) / "step-1")], check=True)
 
+    def cpu(self) -> float:
+        """CPU seconds so far of the node processes (reaped children) and the store's server."""
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        store = 0.0
+        if self.server.proc is not None:
+            import psutil  # the server runs on: not reaped, so not in RUSAGE_CHILDREN
+
+            try:
+                root = psutil.Process(self.server.proc.pid)
+                for p in (root, *root.children(recursive=True)):
+                    c = p.cpu_times()
+                    store += c.user + c.system
+            except psutil.NoSuchProcess:
+                pass
+        return kids.ru_utime + kids.ru_stime + store
+
     def restore(self, run: str, nodes: list[str], *, whole: bool = False) -> tuple[float, list[dict]]:
         """The nodes' restores at once: (seconds until the last one is ready, their --json results)."""
         procs = []
+        self.last_cpu = self.cpu()
         t0 = time.perf_counter()
         for node in nodes:
             if whole:
@@ -152,7 +170,9 @@ class Fleet:
             if p.returncode != 0:
                 raise SystemExit(f"restore failed ({p.returncode}): {err.strip()}")
             docs.append(json.loads(out))
-        return time.perf_counter() - t0, docs
+        secs = time.perf_counter() - t0
+        self.last_cpu = self.cpu() - self.last_cpu   # the nodes' and the store's CPU seconds, this restore
+        return secs, docs
 
     def s5cmd(self, lines: list[str], *, sync: bool = False) -> float:
         cmds = self.work / "s5cmd.txt"
@@ -221,15 +241,18 @@ def main(argv: list[str] | None = None) -> int:
             fleet.reset(run, parts, replaced=None)  # the catalog records each node's NVMe folder
             store(catalog, {k: fleet.nvme(run, k) / "step-1" for k in parts}, f"s3://{BUCKET}/src", config)
             nodes = list(parts)
-            t: dict[str, list[float]] = {k: [] for k in ("all", "alone", "s5cmd", "whole_all", "whole_alone")}
+            t: dict[str, list[float]] = {k: [] for k in ("all", "alone", "s5cmd", "whole_all", "whole_alone",
+                                                          "all_cpu", "alone_cpu")}
             bytes_scoped = bytes_whole = 0
             for rnd in range(args.rounds):
                 fleet.reset(run, parts)
                 secs, docs = fleet.restore(run, nodes)
                 t["all"].append(secs)
+                t["all_cpu"].append(fleet.last_cpu)
                 bytes_scoped = moved(docs)
                 fleet.reset(run, parts)
                 t["alone"].append(fleet.restore(run, [REPLACED])[0])
+                t["alone_cpu"].append(fleet.last_cpu)
                 peer = work / "peer" / f"{run}-{rnd}"
                 t["s5cmd"].append(fleet.s5cmd(lost_objects(run, parts[REPLACED], peer)))
                 shutil.rmtree(peer, ignore_errors=True)
@@ -279,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['all']:.2f} | {r['alone']:.2f} | {r['all'] / r['alone']:.2f} | {r['s5cmd']:.2f} "
               f"| {r['all'] / r['s5cmd']:.2f} | {r['whole'] / MiB:,.1f} ({r['whole'] / r['need']:.1f}x) "
               f"| {r['whole_all']:.2f} | {r['whole_alone']:.2f} |")
+    cores = os.cpu_count() or 1
+    print(f"\nCPU of the scoped restores (node processes and the store's server, medians), against this host's "
+          f"{cores} cores:\n")
+    print("| N | all at once: CPU s | CPU s / cores | last node ready (s) | replaced node alone: CPU s |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['n']} | {r['all_cpu']:.2f} | {r['all_cpu'] / cores:.2f} | {r['all']:.2f} | {r['alone_cpu']:.2f} |")
     if big is not None:
         print(f"\nOne node's {args.big_mib} MiB part, from the store:\n")
         print("| tool | time (s) | Safepoint / tool |")
