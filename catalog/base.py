@@ -34,15 +34,13 @@ def norm_path(path: str | os.PathLike[str] | None) -> str | None:
     return os.path.normpath(os.fspath(path))
 
 
-_held = threading.local()  # the session of a one_read() block, per thread
-
-
 class CatalogBase:
     """One catalog database. Cheap to construct; share the Engine (db.get_engine) per process."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._ro_engine = engine.execution_options(**{db.READONLY: True})
+        self._held = threading.local()  # the session of a one_read() block, per thread
 
     @property
     def url(self) -> str:
@@ -58,8 +56,8 @@ class CatalogBase:
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
-        held = getattr(_held, "session", None)
-        if held is not None and held.bind is self._ro_engine:  # inside one_read(): its session
+        held = getattr(self._held, "session", None)
+        if held is not None:  # inside one_read(): its session
             yield held
             return
         with Session(self._ro_engine) as s, s.begin():
@@ -70,15 +68,15 @@ class CatalogBase:
         """Every read of this thread in the block shares one session and transaction: one snapshot,
         one connection checked out. A fleet restart's N nodes then read the catalog once each (the
         resume point, the checkpoint, its replicas and ranks), not once per question."""
-        if getattr(_held, "session", None) is not None:
+        if getattr(self._held, "session", None) is not None:
             yield
             return
         with Session(self._ro_engine) as s, s.begin():
-            _held.session = s
+            self._held.session = s
             try:
                 yield
             finally:
-                _held.session = None
+                self._held.session = None
 
     def _insert(self, model: Any) -> Any:
         """INSERT supporting ON CONFLICT on both backends."""

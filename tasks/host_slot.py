@@ -70,23 +70,26 @@ class BusyRetry(httpx.BaseTransport):
         self.inner.close()
 
 
-#: Clients kept open for the process, by API URL: a new one per ingest cost two TLS contexts (about
+#: Clients kept open for the process, by API URL and credentials: a new one per ingest cost two TLS contexts (about
 #: 50 ms of CPU, a fifth of a warm executor's Prefect cost per part; bench/fleet.py)
 _MAX_CLIENTS = 4
-_clients: dict[str, Any] = {}
+_clients: dict[tuple[str, str | None, str | None], Any] = {}
 _clients_lock = threading.Lock()
 
 
 def _client() -> Any:
-    """Prefect's sync client for this process's API URL, started once and shared by every slot taken
+    """Prefect's sync client for this process's API (URL and credentials), started once and shared by every slot taken
     in it (httpx's client is thread-safe); on plain HTTP (a local server) with the BusyRetry
     transport. Over HTTPS it keeps its own transport, which carries Prefect's TLS settings."""
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
 
-    url = get_current_settings().api.url or ""
+    api = get_current_settings().api
+    url = api.url or ""
+    key = (url, api.key.get_secret_value() if api.key else None,
+           api.auth_string.get_secret_value() if api.auth_string else None)
     with _clients_lock:
-        client = _clients.get(url)
+        client = _clients.get(key)
         if client is None:
             if url.startswith("http://"):
                 client = get_client(sync_client=True,
@@ -96,7 +99,7 @@ def _client() -> Any:
             client.__enter__()
             if len(_clients) >= _MAX_CLIENTS:  # a process that met many servers (tests): the oldest goes
                 _clients.pop(next(iter(_clients))).__exit__(None, None, None)
-            _clients[url] = client
+            _clients[key] = client
         return client
 
 
