@@ -208,8 +208,11 @@ def _child(cmd: dict[str, Any]) -> int:
     result["events"] = tracer.count
     # Peak resident memory this operation added (KiB; ru_maxrss starts at the parent's at fork).
     result["peak_rss_growth_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
-    if cmd.get("result"):
-        Path(cmd["result"]).write_text(json.dumps(result, default=str))
+    if cmd.get("result"):  # whole or absent: a kill between the create and the write left it empty
+        out = Path(cmd["result"])
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, default=str))
+        os.replace(tmp, out)
     return 0
 
 
