@@ -113,6 +113,7 @@ def store(catalog: Any, parts: dict[str, Path], url: str, config: Config) -> Non
 class Fleet:
     def __init__(self, work: Path, server: SeaweedFS, catalog_url: str):
         self.work, self.server, self.catalog_url = work, server, catalog_url
+        self.last_cpu = 0.0
 
     def env(self, node: str) -> dict[str, str]:
         home = self.work / "homes" / node
@@ -153,7 +154,7 @@ class Fleet:
     def restore(self, run: str, nodes: list[str], *, whole: bool = False) -> tuple[float, list[dict]]:
         """The nodes' restores at once: (seconds until the last one is ready, their --json results)."""
         procs = []
-        self.last_cpu = self.cpu()
+        cpu0 = self.cpu()
         t0 = time.perf_counter()
         for node in nodes:
             if whole:
@@ -171,7 +172,7 @@ class Fleet:
                 raise SystemExit(f"restore failed ({p.returncode}): {err.strip()}")
             docs.append(json.loads(out))
         secs = time.perf_counter() - t0
-        self.last_cpu = self.cpu() - self.last_cpu   # the nodes' and the store's CPU seconds, this restore
+        self.last_cpu = self.cpu() - cpu0   # the nodes' and the store's CPU seconds, this restore
         return secs, docs
 
     def s5cmd(self, lines: list[str], *, sync: bool = False) -> float:
